@@ -1,0 +1,83 @@
+"""Checks a command line before Hydra runs it, so that bad input costs one clear line and no
+traceback, and a sweep with a typo in its fifth job fails before the first one starts."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from runner.errors import UserError
+
+# Hydra flags after which we do not second-guess the command line.
+_HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion",
+                     "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+MAX_PREFLIGHT_JOBS = 64
+
+
+def _one_line(e: BaseException) -> str:
+    parts = []
+    while e is not None and len(parts) < 3:
+        text = str(e).strip()
+        if text:
+            parts.append(text.splitlines()[0].rstrip("."))
+        e = e.__cause__
+    return ": ".join(dict.fromkeys(parts)) or "invalid configuration"
+
+
+def expand(args: list[str]) -> list[list[str]]:
+    """The override lists of every job the command line describes (one for a single run)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides(
+        [a for a in args if not a.startswith("-") and not a.startswith(("hydra.", "hydra/"))]
+    )
+    choices = []
+    for o in overrides:
+        if o.is_sweep_override():
+            choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    return [list(c) for c in itertools.islice(itertools.product(*choices), MAX_PREFLIGHT_JOBS)]
+
+
+def _check_group_choices(jobs: list[list[str]]) -> None:
+    from runner import CONF_DIR
+
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()}
+    for job in jobs:
+        for override in job:
+            key, _, value = override.lstrip("+~").partition("=")
+            if key in groups and value not in groups[key]:
+                raise UserError(f"unknown {key} {value!r}: choose from {', '.join(groups[key])}")
+
+
+def preflight(args: list[str]) -> None:
+    """Compose and validate every job of the command line. Raises UserError."""
+    if any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from runner import CONF_DIR
+    from runner.config import validate
+
+    try:
+        jobs = expand(args)
+    except Exception as e:
+        raise UserError(f"cannot parse the command line: {_one_line(e)}") from None
+    _check_group_choices(jobs)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = compose("config", overrides=job)
+            except Exception as e:
+                raise UserError(_one_line(e)) from None
+            missing = sorted(OmegaConf.missing_keys(cfg))
+            if missing:
+                raise UserError(f"{missing[0]} is required: set it on the command line ({missing[0]}=...)")
+            validate(cfg)
+
+
+def fail(error: UserError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,121 @@
+"""Schemas of the runner-owned config groups and the checks Hydra's types cannot express.
+
+The schemas live in Hydra's ConfigStore as `base_config`, so a misspelt key or a value of the
+wrong type fails at compose time with the key's name. Task-owned groups (model, dataset, optim)
+are free-form YAML with `_target_`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from runner.errors import UserError
+
+PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16", "auto")
+
+
+@dataclass
+class GradScalerConfig:
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = "fp32"
+    grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
+    # Run bf16/fp16/tf32 even where the device only emulates it (slow; the numbers mislead).
+    allow_emulated: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = 1.0
+    gradient_clip_algorithm: str = "norm"
+    log_every_n_steps: int = 10
+    val_check_interval: int = 100
+    limit_val_batches: int = 10
+    checkpoint_every_n_steps: int = 0
+    device: str = "auto"
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "none"
+
+
+@dataclass
+class Config:
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    model: Any = MISSING
+    dataset: Any = MISSING
+    optim: Any = MISSING
+    seed: int = 0
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise UserError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need more than a type: ranges and choices. Raises UserError."""
+    t, p = cfg.trainer, cfg.precision
+    _require(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be ≥ 1")
+    _require(
+        t.accumulate_grad_batches >= 1,
+        "trainer.accumulate_grad_batches",
+        t.accumulate_grad_batches,
+        "must be ≥ 1",
+    )
+    _require(
+        t.gradient_clip_val is None or t.gradient_clip_val >= 0,
+        "trainer.gradient_clip_val",
+        t.gradient_clip_val,
+        "must be ≥ 0, or null to turn clipping off",
+    )
+    _require(
+        t.gradient_clip_algorithm in ("norm", "value"),
+        "trainer.gradient_clip_algorithm",
+        t.gradient_clip_algorithm,
+        "allowed: norm, value",
+    )
+    _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1")
+    for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
+        _require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")
+    _require(
+        re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", t.device) is not None,
+        "trainer.device",
+        t.device,
+        "allowed: auto, cpu, cuda, cuda:N, mps",
+    )
+    _require(p.mode in PRECISION_MODES, "precision.mode", p.mode, "allowed: " + ", ".join(PRECISION_MODES))
+    gs = p.grad_scaler
+    _require(gs.init_scale > 0, "precision.grad_scaler.init_scale", gs.init_scale, "must be > 0")
+    _require(gs.growth_factor > 1, "precision.grad_scaler.growth_factor", gs.growth_factor, "must be > 1")
+    _require(
+        0 < gs.backoff_factor < 1,
+        "precision.grad_scaler.backoff_factor",
+        gs.backoff_factor,
+        "must be between 0 and 1",
+    )
+    _require(
+        gs.growth_interval >= 1, "precision.grad_scaler.growth_interval", gs.growth_interval, "must be ≥ 1"
+    )
+    _require(cfg.logger.backend in ("none",), "logger.backend", cfg.logger.backend, "allowed: none")

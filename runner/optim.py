@@ -1,0 +1,44 @@
+"""Optimizer and learning-rate schedule from the `optim` config group."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hydra.utils import instantiate
+from torch import nn
+
+from runner.errors import UserError
+
+
+def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+    """Weight decay on weight matrices only: biases and norm scales are left alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return instantiate(cfg.optimizer)([g for g in groups if g["params"]])
+
+
+def lr_factor(step: int, max_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
+    """Linear warm-up to the peak, then `decay` down to `min_lr_ratio` of it at `max_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if decay == "constant":
+        return 1.0
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+    return min_lr_ratio + (1 - min_lr_ratio) * shape
+
+
+def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
+    """Advanced only on optimizer steps that were applied (not on steps the scaler skipped)."""
+    s = cfg.scheduler
+    if s.decay not in ("cosine", "linear", "constant"):
+        raise UserError(f"optim.scheduler.decay={s.decay!r} is invalid: allowed: cosine, linear, constant")
+    if s.warmup_steps < 0 or not 0 <= s.min_lr_ratio <= 1:
+        raise UserError("optim.scheduler: warmup_steps must be ≥ 0 and min_lr_ratio in [0, 1]")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, max_steps, s.warmup_steps, s.decay, s.min_lr_ratio)
+    )

@@ -1,0 +1,203 @@
+"""Everything about numeric precision lives here: which mode runs, autocast, the GradScaler,
+TF32, and the order of an optimizer step (unscale → measure → clip → step → update).
+
+The training loop calls `autocast()`, `backward()` and `step()`; it never touches `torch.amp`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runner.errors import UserError
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What a device can do natively, as far as precision is concerned."""
+
+    type: str  # "cpu" | "cuda" | "mps"
+    name: str
+    cuda_capability: tuple[int, int] | None = None
+    cpu_flags: frozenset[str] = frozenset()
+
+    @classmethod
+    def probe(cls, device: torch.device) -> DeviceCaps:
+        if device.type == "cuda":
+            return cls(
+                "cuda",
+                torch.cuda.get_device_name(device),
+                cuda_capability=torch.cuda.get_device_capability(device),
+            )
+        if device.type == "cpu":
+            return cls("cpu", _cpu_name(), cpu_flags=_cpu_flags())
+        return cls(device.type, device.type)
+
+    def support(self, mode: str) -> tuple[bool, str]:
+        """(native, why) for a mode on this device."""
+        if mode == "fp32":
+            return True, "fp32 runs everywhere"
+        if self.type == "cuda":
+            cc = self.cuda_capability or (0, 0)
+            need = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0)}[mode]
+            ok = cc >= need
+            return ok, (
+                f"{self.name} has compute capability {cc[0]}.{cc[1]}; "
+                f"{mode} tensor cores need ≥ {need[0]}.{need[1]}"
+            )
+        if self.type == "cpu":
+            if mode == "tf32":
+                return False, "CPUs have no TF32 units: tf32 matmuls run as fp32"
+            flags = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}[mode]
+            found = [f for f in flags if f in self.cpu_flags]
+            if found:
+                return True, f"CPU has {', '.join(f.upper() for f in found)}"
+            return False, f"CPU lacks {' and '.join(f.upper() for f in flags)}: {mode} is emulated"
+        return mode in ("fp16", "bf16"), f"{self.type} autocast"
+
+    def best_mode(self) -> tuple[str, str]:
+        """The mode `auto` picks: bf16 (no loss scaling needed) > fp16 > fp32."""
+        candidates = ("bf16", "fp16") if self.type == "cuda" else ("bf16",)
+        for mode in candidates:
+            native, why = self.support(mode)
+            if native:
+                return mode, why
+        return "fp32", f"no native low-precision support on {self.name}"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+@dataclass
+class StepResult:
+    grad_norm: torch.Tensor  # unscaled, before clipping; stays on the device
+    skipped: bool
+    loss_scale: float  # the scale the step's gradients were computed with (1.0 without scaler)
+
+
+class Precision:
+    """One precision mode on one device: resolves `auto`, checks support, owns the scaler."""
+
+    def __init__(self, cfg, device: torch.device, caps: DeviceCaps | None = None):
+        caps = caps or DeviceCaps.probe(device)
+        self.requested = cfg.mode
+        self.warnings: list[str] = []
+        if cfg.mode == "auto":
+            self.mode, self.reason = caps.best_mode()
+        else:
+            self.mode = cfg.mode
+            native, self.reason = caps.support(cfg.mode)
+            if not native:
+                # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
+                # On a GPU without the units the answer to "is it faster" is a foregone no.
+                if caps.type == "cuda" and not cfg.allow_emulated:
+                    raise UserError(
+                        f"precision={cfg.mode} is not supported natively here: {self.reason} "
+                        "(use precision=auto or fp32, or precision.allow_emulated=true)"
+                    )
+                self.warnings.append(self.reason)
+        self.device = device
+        self.dtype = AUTOCAST_DTYPES.get(self.mode)
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.mode == "fp16":
+            gs = cfg.grad_scaler
+            self.scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=gs.init_scale,
+                growth_factor=gs.growth_factor,
+                backoff_factor=gs.backoff_factor,
+                growth_interval=gs.growth_interval,
+            )
+        self._saved_matmul_precision = torch.get_float32_matmul_precision()
+        self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+        # Explicit either way: a previous job in the same process may have left "high" behind.
+        tf32 = self.mode == "tf32"
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+
+    def close(self) -> None:
+        """Restore the process-wide matmul settings (a multirun runs many jobs in one process)."""
+        torch.set_float32_matmul_precision(self._saved_matmul_precision)
+        torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Wraps forward and loss only. Inputs stay fp32; weights stay fp32 (no .half())."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Outside autocast. Called once per micro-batch; the scale is the same for all of them."""
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        parameters: Iterable[torch.Tensor],
+        clip_val: float | None,
+        clip_algorithm: str = "norm",
+    ) -> StepResult:
+        """unscale_ (once per optimizer) → grad norm → clip → step → update (once)."""
+        params = [p for p in parameters if p.grad is not None]
+        loss_scale = 1.0
+        if self.scaler:
+            loss_scale = self.scaler.get_scale()
+            for opt in optimizers:
+                self.scaler.unscale_(opt)
+        grads = [p.grad for p in params]
+        grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if clip_val is not None:
+            if clip_algorithm == "norm":
+                torch.nn.utils.clip_grads_with_norm_(params, clip_val, grad_norm, foreach=True)
+            else:
+                torch.nn.utils.clip_grad_value_(params, clip_val, foreach=True)
+        if self.scaler:
+            for opt in optimizers:
+                self.scaler.step(opt)
+            self.scaler.update()
+            # update() backs the scale off exactly when it found inf/NaN, i.e. the step was skipped.
+            skipped = self.scaler.get_scale() < loss_scale
+        else:
+            for opt in optimizers:
+                opt.step()
+            skipped = False
+        return StepResult(grad_norm.detach(), skipped, loss_scale)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler else 1.0
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def describe(self) -> str:
+        text = self.mode if self.requested == self.mode else f"{self.requested} → {self.mode}"
+        return f"{text} ({self.reason})"
+

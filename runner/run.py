@@ -1,0 +1,115 @@
+"""`run(cfg)`: one training run from a composed config. Plain function: the CLI, tests and
+notebooks call it; it leaves no global state behind for the next run in the same process."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from runner import console
+from runner.config import validate
+from runner.errors import UserError
+from runner.optim import build_optimizer, build_scheduler
+from runner.precision import DeviceCaps, Precision
+from runner.task import DataModule, Task
+from runner.telemetry import reset_peak_memory
+from runner.tracking import RunLog
+from runner.trainer import Trainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CUDA generators too
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise UserError(
+                f"trainer.device={name} but CUDA is not available here (torch {torch.__version__}, "
+                f"{built}); use trainer.device=cpu or auto"
+            )
+        device = torch.device(name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(
+                f"trainer.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return device
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("trainer.device=mps but MPS is not available here; use trainer.device=cpu or auto")
+    return torch.device(name)
+
+
+def build(cfg: DictConfig) -> tuple[DataModule, Task]:
+    """Dataset first (the model needs its vocabulary and shapes), then the model, on the CPU."""
+    try:
+        data = instantiate(cfg.dataset)
+        task = instantiate(cfg.model, data=data)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise
+    return data, task
+
+
+def output_dir(explicit: str | Path | None) -> Path:
+    if explicit is not None:
+        return Path(explicit)
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path.cwd()
+
+
+def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
+    """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
+    directory; return the summary."""
+    validate(cfg)
+    out = output_dir(out_dir)
+    device = resolve_device(cfg.trainer.device)
+    caps = DeviceCaps.probe(device)
+    precision = Precision(cfg.precision, device, caps)
+    log = None
+    try:
+        console.say(f"precision: {precision.describe()}")
+        for warning in precision.warnings:
+            console.say(f"[yellow]warning:[/] {warning}")
+        seed_everything(cfg.seed)
+        data, task = build(cfg)
+        task.to(device)
+        reset_peak_memory(device)
+        optimizer = build_optimizer(cfg.optim, task)
+        scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
+        log = RunLog(out)
+        trainer = Trainer(cfg.trainer, task, data, precision, optimizer, scheduler, log, device)
+        summary = {
+            "status": "completed",
+            "precision": precision.mode,
+            "precision_requested": precision.requested,
+            "precision_reason": precision.reason,
+            "device": str(device),
+            "device_name": caps.name,
+            "task": type(task).__name__,
+            "parameters": sum(p.numel() for p in task.parameters()),
+            "batch_size": data.batch_size,
+            "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
+            "torch_version": torch.__version__,
+        }
+        summary |= trainer.fit()
+        log.finish(summary)
+        console.summary_table(summary)
+        return summary
+    finally:
+        if log is not None:
+            log.close()
+        precision.close()

@@ -1,0 +1,121 @@
+"""The contract between the engine and what it trains. Tasks live in `tasks/`; the engine only
+knows these two base classes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from runner.errors import UserError
+
+Batch = dict[str, torch.Tensor]
+
+
+class Task(nn.Module, ABC):
+    """A model plus its loss. `forward` returns the loss *summed* over the batch's targets, so the
+    engine can normalise over a whole accumulation window (by tokens for token losses)."""
+
+    @abstractmethod
+    def forward(self, batch: Batch) -> torch.Tensor: ...
+
+    def num_targets(self, batch: Batch) -> int:
+        """How many terms `forward` sums; read from the host-side batch, so no device sync."""
+        return len(next(iter(batch.values())))
+
+    def num_tokens(self, batch: Batch) -> int:
+        return self.num_targets(batch)
+
+    def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Metric sums over the batch's targets; evaluation divides them by the target count."""
+        return {"loss": self(batch)}
+
+
+def sample_rng(*key: int) -> np.random.Generator:
+    """A generator fixed by (seed, stream, epoch, index): per-sample randomness (e.g. masking) that
+    does not depend on batch size, worker count or where a run was resumed."""
+    return np.random.default_rng(list(key))
+
+
+class _StreamSampler(Sampler):
+    """Batches of (epoch, index) keys from an endless stream of per-epoch permutations. The stream
+    is cut into batches without regard to epoch ends, so batch size k·b sees the same samples, in
+    the same order, as k batches of size b."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, start_sample: int = 0):
+        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start_sample
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, offset = divmod(self.start, self.size)
+        batch: list[tuple[int, int]] = []
+        while True:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            for index in order[offset:]:
+                batch.append((epoch, int(index)))
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+            epoch, offset = epoch + 1, 0
+
+
+class _Fetch(Dataset):
+    def __init__(self, data: DataModule, split: str, stream: int):
+        self.data, self.split, self.stream = data, split, stream
+
+    def __getitem__(self, keys: list[tuple[int, int]]) -> Batch:
+        return self.data.collate(self.split, [(self.stream, e, i) for e, i in keys])
+
+
+class DataModule(ABC):
+    """Map-style splits (`split_size`) fetched a batch at a time (`collate`). Subclasses set
+    `batch_size`, `seed`, `num_workers` and `kind` (what models it suits)."""
+
+    kind = "generic"
+    batch_size: int
+    seed: int
+    num_workers: int = 0
+
+    @abstractmethod
+    def split_size(self, split: str) -> int: ...
+
+    @abstractmethod
+    def collate(self, split: str, keys: list[tuple[int, int, int]]) -> Batch:
+        """Build one batch from (stream, epoch, index) keys; use `sample_rng(seed, *key)`."""
+
+    def _loader(self, split: str, stream: int, sampler) -> DataLoader:
+        return DataLoader(
+            _Fetch(self, split, stream),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
+
+    def train_loader(self, start_sample: int = 0) -> DataLoader:
+        size = self.split_size("train")
+        return self._loader("train", 0, _StreamSampler(size, self.batch_size, self.seed, start_sample))
+
+    def val_loader(self, max_batches: int) -> DataLoader | None:
+        size = self.split_size("validation")
+        if size == 0:
+            return None
+        n = min(size, max_batches * self.batch_size)
+        keys = [[(0, i) for i in range(s, min(s + self.batch_size, n))] for s in range(0, n, self.batch_size)]
+        return self._loader("validation", 1, keys)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "batch_size": self.batch_size, "train_size": self.split_size("train")}
+
+
+def require_kind(data: DataModule, kind: str, model: str) -> None:
+    """A model's check that the dataset gives what it consumes."""
+    if data.kind != kind:
+        raise UserError(
+            f"model={model} needs a {kind} dataset, but the dataset gives {data.kind} data "
+            f"(pick a {kind} dataset, or leave dataset= out for the model's default)"
+        )

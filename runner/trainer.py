@@ -1,0 +1,185 @@
+"""The training loop: accumulation windows, logging at intervals, evaluation, checkpoints."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runner import checkpoint
+from runner.console import ProgressBar
+from runner.precision import Precision, StepResult
+from runner.task import Batch, DataModule, Task
+from runner.telemetry import peak_memory_mb, steady_median
+from runner.tracking import RunLog
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg,
+        task: Task,
+        data: DataModule,
+        precision: Precision,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        log: RunLog,
+        device: torch.device,
+    ):
+        self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
+        self.optimizer, self.scheduler, self.log, self.device = optimizer, scheduler, log, device
+        self.params = [p for p in task.parameters() if p.requires_grad]
+        self.step = 0
+        self.samples_seen = 0
+        self.skipped_steps = 0
+        self.rows: list[dict] = []  # every row logged, for the summary
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self, window: list[Batch]) -> tuple[torch.Tensor, StepResult]:
+        """One optimizer step over an accumulation window. Every micro-batch's loss is divided by
+        the window's target count (masked tokens for MLM), so k micro-batches of b give the same
+        gradient as one batch of k·b. Returns the window's mean loss (on the device)."""
+        # Counted on the host-side batches: no device sync.
+        norm = max(1, sum(self.task.num_targets(b) for b in window))
+        total = torch.zeros((), device=self.device)
+        for batch in window:
+            batch = self._to_device(batch)
+            with self.precision.autocast():
+                loss = self.task(batch) / norm
+            self.precision.backward(loss)
+            total += loss.detach().float()
+        clip = self.cfg.gradient_clip_val
+        result = self.precision.step(
+            [self.optimizer], self.params, clip, self.cfg.gradient_clip_algorithm
+        )
+        if not result.skipped:  # a skipped step leaves the schedule where it was
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, result
+
+    @torch.inference_mode()
+    def evaluate(self) -> dict[str, float]:
+        """Under inference_mode and the same autocast as training."""
+        loader = self.data.val_loader(self.cfg.limit_val_batches)
+        if loader is None:
+            return {}
+        self.task.eval()
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for batch in loader:
+            count += self.task.num_targets(batch)
+            with self.precision.autocast():
+                for key, value in self.task.eval_sums(self._to_device(batch)).items():
+                    sums[key] = sums.get(key, 0) + value.float()
+        self.task.train()
+        values = torch.stack(list(sums.values())).div(max(count, 1)).tolist()
+        return {f"eval_{key}": v for key, v in zip(sums, values, strict=True)}
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        loader = iter(self.data.train_loader(self.samples_seen))
+        pending: list[dict] = []
+        self.task.train()
+        started = interval_start = time.perf_counter()
+        with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar:
+            while self.step < cfg.max_steps:
+                window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, result = self.train_step(window)
+                self.step += 1
+                samples = sum(len(next(iter(b.values()))) for b in window)
+                self.samples_seen += samples
+                self.skipped_steps += result.skipped
+                pending.append(
+                    {
+                        "step": self.step,
+                        "loss": loss,
+                        "grad_norm": result.grad_norm,
+                        "loss_scale": result.loss_scale,
+                        "skipped": result.skipped,
+                        "skipped_total": self.skipped_steps,
+                        "lr": lr,
+                        "samples": samples,
+                        "tokens": sum(self.task.num_tokens(b) for b in window),
+                    }
+                )
+                last = self.step == cfg.max_steps
+                eval_due = cfg.val_check_interval > 0 and (
+                    self.step % cfg.val_check_interval == 0 or last
+                )
+                ckpt_due = cfg.checkpoint_every_n_steps > 0 and (
+                    self.step % cfg.checkpoint_every_n_steps == 0
+                )
+                if self.step % cfg.log_every_n_steps and not (last or eval_due or ckpt_due):
+                    continue
+                rows = self._finish_interval(pending, interval_start)
+                pending = []
+                if eval_due:
+                    rows[-1].update(self.evaluate())
+                self.log.log_rows(rows)
+                self.rows += rows
+                bar.update(self.step, rows[-1]["loss"], rows[-1]["loss_scale"], rows[-1]["samples_per_s"])
+                if ckpt_due or last:
+                    self.save_checkpoint(step_file=ckpt_due)
+                interval_start = time.perf_counter()
+        return self.summary(time.perf_counter() - started)
+
+    def _finish_interval(self, pending: list[dict], interval_start: float) -> list[dict]:
+        """Read the interval's device values in one transfer (the only sync), then time it. Each
+        step is given the interval's mean step time: exact on any device, with no per-step sync."""
+        values = torch.stack([torch.stack((r["loss"], r["grad_norm"])) for r in pending]).tolist()
+        step_time = (time.perf_counter() - interval_start) / len(pending)
+        rows = []
+        for r, (loss, grad_norm) in zip(pending, values, strict=True):
+            samples, tokens = r.pop("samples"), r.pop("tokens")
+            rows.append(
+                r
+                | {
+                    "loss": loss,
+                    "grad_norm": grad_norm,
+                    "step_time_s": step_time,
+                    "samples_per_s": samples / step_time,
+                    "tokens_per_s": tokens / step_time,
+                }
+            )
+        return rows
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.task.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.precision.state_dict()["scaler"],
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "skipped_steps": self.skipped_steps,
+            "precision": self.precision.mode,
+        }
+
+    def save_checkpoint(self, step_file: bool) -> None:
+        folder = self.log.out_dir / "checkpoints"
+        state = self.state_dict()
+        if step_file:
+            checkpoint.save(folder / f"step-{self.step}.pt", state)
+        checkpoint.save(folder / "last.pt", state)
+
+    def summary(self, wall_time_s: float) -> dict:
+        # The first logging interval holds warm-up (allocator, kernels): left out of the medians.
+        warmup = min(self.cfg.log_every_n_steps, len(self.rows) - 1)
+        last = self.rows[-1]
+        evals = [r for r in self.rows if "eval_loss" in r]
+        return {
+            "steps": self.step,
+            "skipped_steps": self.skipped_steps,
+            "final_loss": last["loss"],
+            "final_grad_norm": last["grad_norm"],
+            "final_loss_scale": self.precision.loss_scale,
+            **({k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}),
+            "samples_per_s": steady_median([r["samples_per_s"] for r in self.rows], warmup),
+            "tokens_per_s": steady_median([r["tokens_per_s"] for r in self.rows], warmup),
+            "step_time_s": steady_median([r["step_time_s"] for r in self.rows], warmup),
+            "peak_memory_mb": peak_memory_mb(self.device),
+            "wall_time_s": wall_time_s,
+        }

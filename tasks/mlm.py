@@ -1,0 +1,76 @@
+"""BERT masked-language modelling: `transformers.BertForMaskedLM` built from a `BertConfig`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertForMaskedLM
+
+from runner.errors import UserError
+from runner.task import Batch, DataModule, Task, require_kind
+from tasks.text import IGNORE_INDEX, PAD_ID
+
+
+class BertMLM(Task):
+    def __init__(
+        self,
+        data: DataModule,
+        hidden_size: int,
+        num_hidden_layers: int,
+        num_attention_heads: int,
+        intermediate_size: int,
+        initializer_range: float,
+        layer_norm_eps: float,
+        max_position_embeddings: int,
+        dropout: float,
+        attn_implementation: str = "sdpa",
+    ):
+        super().__init__()
+        require_kind(data, "text", "bert")
+        if hidden_size % num_attention_heads:
+            raise UserError(
+                f"model.hidden_size={hidden_size} is invalid: must be a multiple of "
+                f"model.num_attention_heads={num_attention_heads}"
+            )
+        if data.seq_len > max_position_embeddings:
+            raise UserError(
+                f"dataset.seq_len={data.seq_len} is invalid: must be ≤ "
+                f"model.max_position_embeddings={max_position_embeddings}"
+            )
+        config = BertConfig(
+            vocab_size=data.vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            intermediate_size=intermediate_size,
+            initializer_range=initializer_range,
+            layer_norm_eps=layer_norm_eps,
+            max_position_embeddings=max_position_embeddings,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            pad_token_id=PAD_ID,
+        )
+        config._attn_implementation = attn_implementation
+        self.model = BertForMaskedLM(config)
+
+    def _logits_and_labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        # Blocks are full (no padding), so no attention mask is needed.
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return logits.flatten(0, 1), batch["labels"].flatten()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        logits, labels = self._logits_and_labels(batch)
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def num_targets(self, batch: Batch) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def num_tokens(self, batch: Batch) -> int:
+        return batch["input_ids"].numel()
+
+    def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
+        logits, labels = self._logits_and_labels(batch)
+        return {
+            "loss": F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"),
+            "accuracy": (logits.argmax(-1) == labels).sum(),
+        }

@@ -1,0 +1,220 @@
+"""Text data for masked-language modelling, through Hugging Face `datasets`.
+
+Two sources share one path: `TextFiles` (any local text, one document per line) and
+`GeneratedText` (a corpus written locally from the seed). Both train a WordPiece tokenizer on the
+training text, cache it, tokenize with a cached `map` and cut the token stream into blocks.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from runner.errors import UserError
+from runner.task import Batch, DataModule, sample_rng
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PAD_ID, SEP_ID, MASK_ID = 0, 3, 4
+IGNORE_INDEX = -100
+
+datasets.disable_progress_bars()
+datasets.logging.set_verbosity_error()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Parallel jobs may build the same cache entry; each writes a private file and renames it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _expand(key: str, patterns: str | list[str]) -> list[str]:
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not patterns:
+        raise UserError(f"{key} is empty: give one or more text files or glob patterns")
+    files: list[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        if not found:
+            raise UserError(f"{key}: no file found at {pattern!r}")
+        files += [str(Path(f).resolve()) for f in found]
+    for f in files:
+        if not os.access(f, os.R_OK) or not os.path.isfile(f):
+            raise UserError(f"{key}: {f!r} is not a readable file")
+    return files
+
+
+def train_tokenizer(files: list[str], vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """A WordPiece tokenizer (BERT-style normalisation) trained on `files`, cached by their content."""
+    stamp = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+    path = cache_dir / "tokenizers" / f"wordpiece-{_digest(stamp, vocab_size)}.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train(files, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    _atomic_write(path, tok.to_str())
+    return tok
+
+
+class TextCorpus(DataModule):
+    """Token blocks of `seq_len` for MLM, with 15% of tokens masked by the 80/10/10 rule. The mask
+    of a sample is fixed by (seed, epoch, index), never by batch size or resume point."""
+
+    kind = "text"
+
+    def __init__(
+        self,
+        train_files: list[str],
+        validation_files: list[str] | None,
+        *,
+        seed: int,
+        vocab_size: int,
+        batch_size: int,
+        seq_len: int,
+        mlm_probability: float,
+        validation_fraction: float,
+        num_workers: int,
+        cache_dir: str,
+    ):
+        if seq_len < 8:
+            raise UserError(f"dataset.seq_len={seq_len} is invalid: must be ≥ 8")
+        if batch_size < 1:
+            raise UserError(f"dataset.batch_size={batch_size} is invalid: must be ≥ 1")
+        if not 0 < mlm_probability < 1:
+            raise UserError(f"dataset.mlm_probability={mlm_probability} is invalid: must be in (0, 1)")
+        self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
+        self.mlm_probability, self.num_workers = mlm_probability, num_workers
+        cache = Path(os.path.expanduser(cache_dir))
+        self.tokenizer = train_tokenizer(train_files, vocab_size, cache)
+        self.vocab_size = self.tokenizer.get_vocab_size()
+        files = {"train": train_files}
+        if validation_files:
+            files["validation"] = validation_files
+        raw = datasets.load_dataset("text", data_files=files)
+        raw = raw.filter(lambda row: len(row["text"].strip()) > 0)
+        if "validation" not in raw and validation_fraction > 0 and len(raw["train"]) > 1:
+            raw = raw["train"].train_test_split(test_size=validation_fraction, seed=seed)
+            raw["validation"] = raw.pop("test")
+        tok_hash = _digest(self.tokenizer.to_str(), seq_len)
+        self.splits = {
+            name: self._blocks(split, tok_hash).with_format("numpy") for name, split in raw.items()
+        }
+        if self.split_size("train") == 0:
+            raise UserError(
+                f"dataset: the training text has fewer than seq_len={seq_len} tokens "
+                f"({', '.join(train_files)})"
+            )
+
+    def _blocks(self, split: datasets.Dataset, tok_hash: str) -> datasets.Dataset:
+        tokenizer, seq_len = self.tokenizer, self.seq_len
+
+        def to_blocks(rows):
+            ids: list[int] = []
+            for enc in tokenizer.encode_batch(rows["text"], add_special_tokens=False):
+                ids += enc.ids + [SEP_ID]
+            usable = len(ids) // seq_len * seq_len
+            return {"input_ids": [ids[i : i + seq_len] for i in range(0, usable, seq_len)]}
+
+        return split.map(
+            to_blocks,
+            batched=True,
+            batch_size=2000,
+            remove_columns=split.column_names,
+            new_fingerprint=_digest(split._fingerprint, tok_hash),
+        )
+
+    def split_size(self, split: str) -> int:
+        return len(self.splits[split]) if split in self.splits else 0
+
+    def collate(self, split: str, keys: list[tuple[int, int, int]]) -> Batch:
+        ids = np.array(self.splits[split][[k[2] for k in keys]]["input_ids"], dtype=np.int64)
+        labels = np.full_like(ids, IGNORE_INDEX)
+        for row, key in zip(range(len(ids)), keys, strict=True):
+            rng = sample_rng(self.seed, *key)
+            chosen = rng.random(self.seq_len) < self.mlm_probability
+            action = rng.random(self.seq_len)
+            random_ids = rng.integers(len(SPECIAL_TOKENS), self.vocab_size, self.seq_len)
+            labels[row, chosen] = ids[row, chosen]
+            ids[row] = np.where(chosen & (action < 0.8), MASK_ID, ids[row])
+            ids[row] = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, ids[row])
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+
+    def describe(self) -> dict:
+        return super().describe() | {"seq_len": self.seq_len, "vocab_size": self.vocab_size}
+
+
+class TextFiles(TextCorpus):
+    """`dataset=text_files dataset.data_files=PATH_OR_GLOB` (one document per line)."""
+
+    def __init__(self, data_files, validation_files=None, **kwargs):
+        train = _expand("dataset.data_files", data_files)
+        val = _expand("dataset.validation_files", validation_files) if validation_files else None
+        super().__init__(train, val, **kwargs)
+
+
+class GeneratedText(TextCorpus):
+    """A Markov language written from the seed: each word has a few likely successors, so a masked
+    word is predictable from its neighbours and the MLM loss falls far below the unigram entropy."""
+
+    def __init__(self, num_documents: int, words_per_document: int, vocab_words: int, **kwargs):
+        cache = Path(os.path.expanduser(kwargs["cache_dir"]))
+        params = (kwargs["seed"], num_documents, words_per_document, vocab_words)
+        folder = cache / "corpus" / _digest("markov-v1", *params)
+        paths = {split: folder / f"{split}.txt" for split in ("train", "validation")}
+        if not all(p.exists() for p in paths.values()):
+            train, val = generate_corpus(*params, validation_fraction=kwargs["validation_fraction"])
+            _atomic_write(paths["validation"], val)
+            _atomic_write(paths["train"], train)
+        super().__init__([str(paths["train"])], [str(paths["validation"])], **kwargs)
+
+
+def generate_corpus(
+    seed: int, num_documents: int, words_per_document: int, vocab_words: int, validation_fraction: float
+) -> tuple[str, str]:
+    """(train text, validation text), one document per line, from one fixed Markov language."""
+    rng = np.random.default_rng([seed, 7])
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words: list[str] = []
+    seen: set[str] = set()
+    while len(words) < vocab_words:
+        w = "".join(rng.choice(syllables, size=rng.integers(1, 4)))
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    zipf = 1.0 / np.arange(1, vocab_words + 1)
+    zipf /= zipf.sum()
+    successors = np.stack([rng.choice(vocab_words, size=4, replace=False, p=zipf) for _ in words])
+    succ_cdf = np.cumsum([0.55, 0.25, 0.12, 0.08])
+    start_cdf = np.cumsum(zipf)
+
+    def document(doc_rng: np.random.Generator) -> str:
+        draws = doc_rng.random((words_per_document, 2))
+        out, word = [], int(np.searchsorted(start_cdf, draws[0, 0]))
+        for i in range(words_per_document):
+            out.append(words[word])
+            if draws[i, 1] < 1 / 12:  # sentence end: the next word starts afresh
+                out.append(".")
+                word = int(np.searchsorted(start_cdf, draws[i, 0]))
+            else:
+                word = int(successors[word, min(np.searchsorted(succ_cdf, draws[i, 0]), 3)])
+        return " ".join(out)
+
+    n_val = max(1, round(num_documents * validation_fraction))
+    docs = [document(np.random.default_rng([seed, 8, i])) for i in range(num_documents + n_val)]
+    return "\n".join(docs[n_val:]) + "\n", "\n".join(docs[:n_val]) + "\n"
