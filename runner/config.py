@@ -37,7 +37,7 @@ class PrecisionConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 200
+    max_steps: int = 300
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = 1.0
     gradient_clip_algorithm: str = "norm"

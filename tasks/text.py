@@ -169,13 +169,15 @@ class TextFiles(TextCorpus):
 
 
 class GeneratedText(TextCorpus):
-    """A Markov language written from the seed: each word has a few likely successors, so a masked
-    word is predictable from its neighbours and the MLM loss falls far below the unigram entropy."""
+    """A corpus written from the seed (see `generate_corpus`): a masked word is predictable from
+    its context, so the MLM loss falls far below the unigram entropy, unlike random tokens."""
 
-    def __init__(self, num_documents: int, words_per_document: int, vocab_words: int, **kwargs):
+    def __init__(
+        self, num_documents: int, words_per_document: int, vocab_words: int, num_topics: int, **kwargs
+    ):
         cache = Path(os.path.expanduser(kwargs["cache_dir"]))
-        params = (kwargs["seed"], num_documents, words_per_document, vocab_words)
-        folder = cache / "corpus" / _digest("markov-v1", *params)
+        params = (kwargs["seed"], num_documents, words_per_document, vocab_words, num_topics)
+        folder = cache / "corpus" / _digest("topic-markov-v2", *params)
         paths = {split: folder / f"{split}.txt" for split in ("train", "validation")}
         if not all(p.exists() for p in paths.values()):
             train, val = generate_corpus(*params, validation_fraction=kwargs["validation_fraction"])
@@ -185,34 +187,45 @@ class GeneratedText(TextCorpus):
 
 
 def generate_corpus(
-    seed: int, num_documents: int, words_per_document: int, vocab_words: int, validation_fraction: float
+    seed: int,
+    num_documents: int,
+    words_per_document: int,
+    vocab_words: int,
+    num_topics: int,
+    validation_fraction: float,
 ) -> tuple[str, str]:
-    """(train text, validation text), one document per line, from one fixed Markov language."""
+    """(train text, validation text), one document per line, from one fixed language: each
+    document keeps to one topic (a few dozen of the words), and within a topic each word has four
+    likely successors. Context therefore tells a masked word twice over: by topic (learnt fast,
+    from any position) and by its neighbours (learnt once positions are)."""
     rng = np.random.default_rng([seed, 7])
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
     words: list[str] = []
-    seen: set[str] = set()
     while len(words) < vocab_words:
         w = "".join(rng.choice(syllables, size=rng.integers(1, 4)))
-        if w not in seen:
-            seen.add(w)
+        if w not in words:
             words.append(w)
-    zipf = 1.0 / np.arange(1, vocab_words + 1)
-    zipf /= zipf.sum()
-    successors = np.stack([rng.choice(vocab_words, size=4, replace=False, p=zipf) for _ in words])
-    succ_cdf = np.cumsum([0.55, 0.25, 0.12, 0.08])
-    start_cdf = np.cumsum(zipf)
+    topic_size = max(4, vocab_words // num_topics)
+    topics = [rng.choice(vocab_words, size=min(topic_size, vocab_words), replace=False) for _ in range(num_topics)]
+    start_cdf = np.cumsum(1.0 / np.arange(1, topic_size + 1))
+    start_cdf /= start_cdf[-1]
+    successors = [
+        np.stack([rng.choice(len(t), size=4, replace=False) for _ in t]) for t in topics
+    ]
+    succ_cdf = np.cumsum([0.7, 0.2, 0.07, 0.03])
 
     def document(doc_rng: np.random.Generator) -> str:
+        topic = int(doc_rng.integers(num_topics))
+        vocab, succ = topics[topic], successors[topic]
         draws = doc_rng.random((words_per_document, 2))
         out, word = [], int(np.searchsorted(start_cdf, draws[0, 0]))
         for i in range(words_per_document):
-            out.append(words[word])
+            out.append(words[vocab[word]])
             if draws[i, 1] < 1 / 12:  # sentence end: the next word starts afresh
                 out.append(".")
                 word = int(np.searchsorted(start_cdf, draws[i, 0]))
             else:
-                word = int(successors[word, min(np.searchsorted(succ_cdf, draws[i, 0]), 3)])
+                word = int(succ[word, min(np.searchsorted(succ_cdf, draws[i, 0]), 3)])
         return " ".join(out)
 
     n_val = max(1, round(num_documents * validation_fraction))
