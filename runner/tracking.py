@@ -22,7 +22,7 @@ class RunLog:
     def __init__(self, out_dir: Path):
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._metrics = open(out_dir / "metrics.jsonl", "w", encoding="utf-8")
 
     def log_rows(self, rows: list[dict]) -> None:
         for row in rows:
