@@ -1,0 +1,20 @@
+"""Test environment: offline, every cache and output in a temporary folder, small configs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Before anything imports datasets or wandb: they read these at import time.
+_ROOT = Path(tempfile.mkdtemp(prefix="amp-runner-tests-"))
+os.environ.update(
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    WANDB_MODE="offline",
+    WANDB_DIR=str(_ROOT / "wandb"),
+    WANDB_CACHE_DIR=str(_ROOT / "wandb-cache"),
+    WANDB_CONFIG_DIR=str(_ROOT / "wandb-config"),
+    HF_DATASETS_CACHE=str(_ROOT / "hf-datasets"),
+    AMP_RUNNER_CACHE=str(_ROOT / "amp-runner-cache"),
+)

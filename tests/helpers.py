@@ -1,0 +1,41 @@
+"""Shared test helpers: composing real configs, small sizes, reading run outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import runner
+
+# A BERT small enough for a CPU test step in milliseconds, on a small generated corpus.
+TINY_BERT = [
+    "model=bert",
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+    "model.dropout=0",
+    "dataset.num_documents=200",
+    "dataset.seq_len=32",
+    "dataset.batch_size=8",
+    "dataset.vocab_size=512",
+    "trainer.progress_bar=false",
+]
+TINY_MLP = ["model=mlp", "dataset.num_samples=1024", "trainer.progress_bar=false"]
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_last(run_dir: Path) -> dict:
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)

@@ -1,0 +1,30 @@
+"""Tasks that record what the engine does to them: autocast state, dtypes, inference mode."""
+
+from __future__ import annotations
+
+import torch
+
+from tasks.classification import MLPClassifier
+
+EVENTS: list[tuple] = []
+
+
+def _state(x: torch.Tensor) -> dict:
+    return {
+        "autocast": torch.is_autocast_enabled(x.device.type),
+        "inference": torch.is_inference_mode_enabled(),
+        "input_dtype": x.dtype,
+    }
+
+
+class ProbeMLP(MLPClassifier):
+    def forward(self, batch):
+        x = batch["features"]
+        EVENTS.append(("forward", _state(x) | {"weight_dtype": self.net[0].weight.dtype}))
+        logits = self.net(x)
+        logits.register_hook(lambda g: EVENTS.append(("backward", _state(g))))
+        return torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum")
+
+    def eval_sums(self, batch):
+        EVENTS.append(("eval", _state(batch["features"])))
+        return super().eval_sums(batch)

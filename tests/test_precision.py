@@ -1,0 +1,192 @@
+"""The precision policy: DESIGN.md's AMP invariants 1, 2, 4, 5, 7, 8 and 9, each shown on real runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.config import PrecisionConfig
+from runner.errors import UserError
+from runner.precision import DeviceCaps, Precision
+from runner.run import build, run, seed_everything
+from tests import probes
+from tests.helpers import TINY_MLP, load_last, make_cfg, read_metrics
+
+CPU = torch.device("cpu")
+
+
+def _precision(mode: str, **caps) -> Precision:
+    return Precision(PrecisionConfig(mode=mode), CPU, DeviceCaps(**caps) if caps else None)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16"])
+def test_autocast_wraps_forward_and_eval_only_and_weights_stay_fp32(tmp_path, mode):
+    """Invariants 1, 2 and 8."""
+    probes.EVENTS.clear()
+    cfg = make_cfg(
+        *TINY_MLP,
+        f"precision={mode}",
+        "model._target_=tests.probes.ProbeMLP",
+        "trainer.max_steps=2",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+    )
+    run(cfg, tmp_path)
+    mixed = mode in ("fp16", "bf16")
+    forward = [e for kind, e in probes.EVENTS if kind == "forward"]
+    backward = [e for kind, e in probes.EVENTS if kind == "backward"]
+    evals = [e for kind, e in probes.EVENTS if kind == "eval"]
+    assert len(forward) == 4 and len(backward) == 4 and len(evals) == 1
+    assert all(e["autocast"] == mixed for e in forward)
+    assert all(e["input_dtype"] == torch.float32 for e in forward)  # inputs are not cast by hand
+    assert all(e["weight_dtype"] == torch.float32 for e in forward)  # master weights stay fp32
+    assert not any(e["autocast"] for e in backward)  # backward runs outside autocast
+    assert evals[0]["autocast"] == mixed and evals[0]["inference"]
+    weights = load_last(tmp_path)["model"]
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_only_fp16_has_a_grad_scaler():
+    assert _precision("fp16").scaler is not None
+    for mode in ("fp32", "tf32", "bf16"):
+        assert _precision(mode).scaler is None
+
+
+def test_matmul_precision_is_set_explicitly_and_restored():
+    """Invariant 9: tf32 → "high", fp32 → "highest" even after a tf32 job left "high" behind."""
+    torch.set_float32_matmul_precision("highest")
+    tf32 = _precision("tf32")
+    assert torch.get_float32_matmul_precision() == "high"
+    fp32 = _precision("fp32")  # as the next job of a multirun would
+    assert torch.get_float32_matmul_precision() == "highest"
+    fp32.close()
+    assert torch.get_float32_matmul_precision() == "high"
+    tf32.close()
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+V100 = dict(type="cuda", name="Tesla V100", cuda_capability=(7, 0))
+A100 = dict(type="cuda", name="A100", cuda_capability=(8, 0))
+T4 = dict(type="cuda", name="Tesla T4", cuda_capability=(7, 5))
+OLD_CPU = dict(type="cpu", name="old CPU", cpu_flags=frozenset({"avx2"}))
+AMX_CPU = dict(type="cpu", name="Xeon", cpu_flags=frozenset({"amx_bf16", "avx512_bf16"}))
+
+
+def test_auto_picks_the_best_native_mode():
+    assert DeviceCaps(**A100).best_mode()[0] == "bf16"
+    assert DeviceCaps(**T4).best_mode()[0] == "fp16"
+    assert DeviceCaps(**AMX_CPU).best_mode()[0] == "bf16"
+    mode, why = DeviceCaps(**OLD_CPU).best_mode()
+    assert mode == "fp32" and "old CPU" in why
+    auto = _precision("auto", **AMX_CPU)
+    assert (auto.requested, auto.mode) == ("auto", "bf16") and "AMX_BF16" in auto.describe()
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_with_the_reason():
+    with pytest.raises(UserError, match=r"precision=bf16 is not supported natively here: Tesla V100"):
+        Precision(PrecisionConfig(mode="bf16"), torch.device("cuda"), DeviceCaps(**V100))
+    with pytest.raises(UserError, match="tf32"):
+        Precision(PrecisionConfig(mode="tf32"), torch.device("cuda"), DeviceCaps(**T4))
+
+
+def test_emulated_modes_on_a_cpu_run_with_a_warning():
+    p = _precision("bf16", **OLD_CPU)
+    assert p.mode == "bf16" and "emulated" in p.warnings[0]
+    assert "no TF32" in _precision("tf32", **AMX_CPU).warnings[0]
+
+
+class _Spy:
+    """Counts calls of GradScaler methods; the real methods still run."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in ("scale", "unscale_", "step", "update"):
+            original = getattr(torch.amp.GradScaler, name)
+
+            def wrapped(scaler, *args, _name=name, _original=original, **kwargs):
+                self.calls.append(_name)
+                return _original(scaler, *args, **kwargs)
+
+            monkeypatch.setattr(torch.amp.GradScaler, name, wrapped)
+
+
+def test_accumulation_scales_every_micro_batch_and_steps_once(tmp_path, monkeypatch):
+    """Invariants 3 and 4: per optimizer step, k × scale, then unscale_ → step → update once."""
+    spy = _Spy(monkeypatch)
+    cfg = make_cfg(
+        *TINY_MLP, "precision=fp16", "trainer.max_steps=3", "trainer.accumulate_grad_batches=3"
+    )
+    run(cfg, tmp_path)
+    assert spy.calls == ["scale"] * 3 + ["unscale_", "step", "update"] + (
+        ["scale"] * 3 + ["unscale_", "step", "update"]
+    ) * 2
+
+
+def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path):
+    """Invariant 5: each overflowing step is skipped, counted and logged; the scale halves; the
+    LR schedule stays put; the weights are those of the initialisation."""
+    overrides = [*TINY_MLP, "precision=fp16", "precision.grad_scaler.init_scale=1e30"]
+    cfg = make_cfg(*overrides, "trainer.max_steps=6", "trainer.log_every_n_steps=1")
+    summary = run(cfg, tmp_path)
+    rows = read_metrics(tmp_path)
+    assert [r["skipped"] for r in rows] == [True] * 6
+    assert [r["skipped_total"] for r in rows] == list(range(1, 7))
+    assert summary["skipped_steps"] == 6
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[0] == pytest.approx(1e30) and all(b == a / 2 for a, b in zip(scales, scales[1:], strict=False))
+    assert len({r["lr"] for r in rows}) == 1  # the warm-up did not advance
+    seed_everything(cfg.seed)
+    _, initial = build(cfg)
+    saved = load_last(tmp_path)
+    for name, tensor in initial.state_dict().items():
+        assert torch.equal(saved["model"][name], tensor), name
+    assert saved["optimizer"]["state"] == {}  # AdamW never stepped
+
+
+def test_training_recovers_after_skips_and_the_schedule_resumes(tmp_path):
+    cfg = make_cfg(
+        *TINY_MLP,
+        "precision=fp16",
+        "precision.grad_scaler.init_scale=1e12",
+        "trainer.max_steps=40",
+        "trainer.log_every_n_steps=1",
+    )
+    run(cfg, tmp_path)
+    rows = read_metrics(tmp_path)
+    skipped = [r["skipped"] for r in rows]
+    first_ok = skipped.index(False)
+    assert first_ok > 0 and not any(skipped[first_ok:])
+    assert rows[first_ok]["lr"] == rows[0]["lr"] < rows[first_ok + 1]["lr"]
+
+
+def test_fp16_grad_norm_is_logged_unscaled_and_before_clipping(tmp_path):
+    """Invariant 4: with clipping on, fp16's logged norm matches fp32's (not scale × norm)."""
+    common = [*TINY_MLP, "trainer.max_steps=5", "trainer.log_every_n_steps=1"]
+    common += ["trainer.gradient_clip_val=0.05"]
+    run(make_cfg(*common, "precision=fp32"), tmp_path / "fp32")
+    run(make_cfg(*common, "precision=fp16"), tmp_path / "fp16")
+    fp32, fp16 = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "fp16")
+    assert not any(r["skipped"] for r in fp16) and fp16[0]["loss_scale"] == 65536.0
+    for a, b in zip(fp32, fp16, strict=True):
+        assert a["grad_norm"] > 0.05  # measured before clipping
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-2)
+
+
+def test_checkpoint_carries_the_loss_scale(tmp_path):
+    """Invariant 7."""
+    cfg = make_cfg(
+        *TINY_MLP,
+        "precision=fp16",
+        "precision.grad_scaler.init_scale=1e8",
+        "precision.grad_scaler.growth_interval=3",
+        "trainer.max_steps=12",
+    )
+    summary = run(cfg, tmp_path)
+    saved = load_last(tmp_path)
+    assert set(saved) >= {"model", "optimizer", "scaler", "step"} and saved["step"] == 12
+    assert saved["scaler"]["scale"] == summary["final_loss_scale"]
+    assert saved["scaler"]["growth_interval"] == 3
+    restored = _precision("fp16")
+    restored.load_state_dict({"scaler": saved["scaler"]})
+    assert restored.loss_scale == summary["final_loss_scale"] != 65536.0
