@@ -151,7 +151,13 @@ def main() -> None:
                     results.setdefault((mode, side), []).append(rate)
                     print(f"round {r + 1}/{args.rounds}  {mode:<5} {side:<7} {rate:7.1f} samples/s")
 
-    median = {key: statistics.median(rates) for key, rates in results.items()}
+    def median(a: tuple[str, str], b: tuple[str, str] | None = None) -> float:
+        """Median samples/s of `a`, or with `b`, the median of the per-round ratios a/b: pairs
+        timed back to back, so drift between rounds cancels out."""
+        if b is None:
+            return statistics.median(results[a])
+        return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
+
     params = sum(p.numel() for p in task.parameters())
     shape = ", ".join(f"{k}={v}" for k, v in cfg.model.items() if k != "_target_")
     print()
@@ -160,17 +166,19 @@ def main() -> None:
         f"torch {torch.__version__} | {torch.get_num_threads()} threads"
     )
     print(f"model: {type(task).__name__}, {params / 1e6:.1f}M params ({shape})")
-    print(
-        f"data: batch {data.batch_size}, {', '.join(f'{k}={v}' for k, v in data.describe().items())}"
-    )
+    print(f"data: {', '.join(f'{k}={v}' for k, v in data.describe().items())}")
     print(f"precision: {'; '.join(notes)}")
-    print(f"{args.steps} timed steps after {args.warmup} warm-up, median of {args.rounds} rounds\n")
+    print(
+        f"{args.steps} timed steps after {args.warmup} warm-up per timing; medians over "
+        f"{args.rounds} rounds (ratios: median of per-round ratios)\n"
+    )
     print(f"{'precision':<10} {'runner/s':>9} {'bare/s':>9} {'runner/bare':>12}")
     for mode in modes:
-        run, bare = median[(mode, "runner")], median[(mode, "bare")]
-        print(f"{mode:<10} {run:>9.1f} {bare:>9.1f} {run / bare:>12.3f}")
+        run, bare = median((mode, "runner")), median((mode, "bare"))
+        ratio = median((mode, "runner"), (mode, "bare"))
+        print(f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f}")
     if set(MODES) <= set(modes):
-        speedup = {s: median[("bf16", s)] / median[("fp32", s)] for s in ("runner", "bare")}
+        speedup = {s: median(("bf16", s), ("fp32", s)) for s in ("runner", "bare")}
         print(f"\nbf16/fp32 speedup: runner {speedup['runner']:.2f}x, bare {speedup['bare']:.2f}x")
 
 

@@ -52,8 +52,10 @@ def _expand(key: str, patterns: str | list[str]) -> list[str]:
             raise UserError(f"{key}: no file found at {pattern!r}")
         files += [str(Path(f).resolve()) for f in found]
     for f in files:
-        if not os.access(f, os.R_OK) or not os.path.isfile(f):
+        if not os.path.isfile(f) or not os.access(f, os.R_OK):
             raise UserError(f"{key}: {f!r} is not a readable file")
+        if os.path.getsize(f) == 0:
+            raise UserError(f"{key}: {f!r} is empty")
     return files
 
 

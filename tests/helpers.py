@@ -11,20 +11,20 @@ from omegaconf import DictConfig
 
 import runner
 
-# A BERT small enough for a CPU test step in milliseconds, on a small generated corpus.
-TINY_BERT = [
+# A BERT small enough for a CPU test step in milliseconds (on a small generated corpus).
+TINY_BERT_MODEL = [
     "model=bert",
     "model.hidden_size=32",
     "model.num_hidden_layers=1",
     "model.num_attention_heads=2",
     "model.intermediate_size=64",
     "model.dropout=0",
-    "dataset.num_documents=200",
     "dataset.seq_len=32",
     "dataset.batch_size=8",
     "dataset.vocab_size=512",
     "trainer.progress_bar=false",
 ]
+TINY_BERT = [*TINY_BERT_MODEL, "dataset.num_documents=200"]
 TINY_MLP = ["model=mlp", "dataset.num_samples=1024", "trainer.progress_bar=false"]
 
 

@@ -1,0 +1,25 @@
+# make run   set up .venv and run the main job (BERT MLM in bf16)
+# make test  set up .venv and run the test suite (CI runs this)
+# make sweep set up .venv and compare fp32, fp16 and bf16 side by side
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup run sweep test lint bench
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(PY) -m runner precision=bf16 model=bert
+
+sweep: setup
+	$(PY) -m runner -m precision=fp32,fp16,bf16 model=bert
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) scripts/bench_step.py

@@ -1,0 +1,78 @@
+"""The real command line, in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import TINY_BERT, read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_main_command_writes_every_run_output(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("precision=bf16", *TINY_BERT, "trainer.max_steps=6", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "precision: bf16" in proc.stderr
+    assert "amp-runner summary" in proc.stdout and "final_loss" in proc.stdout
+    assert len(read_metrics(out)) == 6
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision"] == "bf16" and summary["steps"] == 6
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert state["step"] == 6 and state["scaler"] is None
+    assert (out / ".hydra" / "config.yaml").exists()
+    assert "precision=bf16" in (out / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m", "precision=tf32,fp32,fp16,bf16", *TINY_BERT, "trainer.max_steps=4",
+        f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    summaries = [json.loads((j / "summary.json").read_text()) for j in jobs]
+    assert [s["precision"] for s in summaries] == ["tf32", "fp32", "fp16", "bf16"]
+    for job, s in zip(jobs, summaries, strict=True):
+        assert s["steps"] == 4 and len(read_metrics(job)) == 4
+        scaler = torch.load(job / "checkpoints" / "last.pt", weights_only=True)["scaler"]
+        assert (scaler is not None) == (s["precision"] == "fp16")
+    # Same seed and data: the fp32 job after a tf32 job starts from the same loss as tf32's.
+    first = [read_metrics(j)[0]["loss"] for j in jobs]
+    assert first[0] == pytest.approx(first[1], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["precision=fp8"], "error: unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
+        (["model=resnet9"], "error: unknown model 'resnet9'"),
+        (["trainer.accumulate_grad_batches=0"], "error: trainer.accumulate_grad_batches=0 is invalid"),
+        (["trainer.gradient_clip_val=-0.5"], "error: trainer.gradient_clip_val=-0.5 is invalid"),
+        (["trainer.max_steps=0"], "error: trainer.max_steps=0 is invalid"),
+        (["dataset=text_files", "dataset.data_files=/no/such/corpus.txt"],
+         "error: dataset.data_files: no file found at '/no/such/corpus.txt'"),
+        (["trainer.device=cuda"], "error: trainer.device=cuda but CUDA is not available here"),
+    ],
+)
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
+    if "cuda" in " ".join(args) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = cli(*args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and errors[0].startswith(message)
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

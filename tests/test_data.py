@@ -1,0 +1,111 @@
+"""Data: per-sample masking fixed by (seed, epoch, index), a batch-size-free sample order, caches,
+local text files."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from runner.errors import UserError
+from runner.run import build
+from tasks.text import IGNORE_INDEX, MASK_ID
+from tests.helpers import TINY_BERT, TINY_BERT_MODEL, make_cfg
+
+
+def _batches(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def _cat(batches, key):
+    return torch.cat([b[key] for b in batches])
+
+
+@pytest.fixture(scope="module")
+def text_data():
+    data, _ = build(make_cfg(*TINY_BERT))
+    return data
+
+
+def test_samples_and_masks_do_not_depend_on_batch_size(text_data):
+    text_data.batch_size = 4
+    small = _batches(text_data.train_loader(), 8)
+    text_data.batch_size = 16
+    big = _batches(text_data.train_loader(), 2)
+    text_data.batch_size = 8
+    for key in ("input_ids", "labels"):
+        assert torch.equal(_cat(small, key), _cat(big, key))
+
+
+def test_a_resumed_stream_continues_exactly(text_data):
+    size = text_data.split_size("train")
+    start = size - 5  # resume across an epoch boundary
+    full = _cat(_batches(text_data.train_loader(), (size + 20) // 8), "labels")
+    resumed = _cat(_batches(text_data.train_loader(start_sample=start), 2), "labels")
+    assert torch.equal(resumed, full[start : start + 16])
+
+
+def test_each_epoch_reshuffles_and_remasks(text_data):
+    size = text_data.split_size("train")
+    stream = _cat(_batches(text_data.train_loader(), 2 * size // 8), "labels")
+    assert not torch.equal(stream[:size], stream[size : 2 * size])
+
+
+def test_masking_follows_the_80_10_10_rule(text_data):
+    text_data.batch_size = 256
+    batch = next(iter(text_data.train_loader()))
+    text_data.batch_size = 8
+    chosen = batch["labels"] != IGNORE_INDEX
+    assert 0.13 < chosen.float().mean() < 0.17
+    ids = batch["input_ids"][chosen]
+    masked = (ids == MASK_ID).float().mean()
+    kept = (ids == batch["labels"][chosen]).float().mean()
+    assert 0.77 < masked < 0.83
+    assert 0.08 < kept < 0.14  # 10% kept, plus random picks that hit the same token
+    assert not (batch["input_ids"][~chosen] == MASK_ID).any()
+
+
+def test_tokenizer_is_cached(text_data):
+    again, _ = build(make_cfg(*TINY_BERT))
+    assert again.tokenizer.to_str() == text_data.tokenizer.to_str()
+    cache = os.environ["AMP_RUNNER_CACHE"]
+    assert len(list((__import__("pathlib").Path(cache) / "tokenizers").glob("*.json"))) >= 1
+
+
+def test_text_files_train_a_tokenizer_on_local_text(tmp_path):
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex".split()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words, size=40)) for _ in range(60)]
+    (tmp_path / "a.txt").write_text("\n".join(lines[:30]) + "\n")
+    (tmp_path / "b.txt").write_text("\n\n".join(lines[30:]) + "\n")  # blank lines are skipped
+    cfg = make_cfg(
+        *TINY_BERT_MODEL, "dataset=text_files", f"dataset.data_files={tmp_path}/*.txt",
+        "dataset.vocab_size=200", "dataset.seq_len=16",
+    )
+    data, task = build(cfg)
+    assert data.split_size("train") > 0 and data.split_size("validation") > 0
+    batch = next(iter(data.train_loader()))
+    assert batch["input_ids"].shape == (8, 16)
+    assert "quick" in data.tokenizer.get_vocab()
+    assert task(batch).isfinite()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "no file found at"), ("", "is empty"), ("short\n", "fewer than seq_len=32 tokens")],
+)
+def test_unusable_text_files_are_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_text(content)
+    cfg = make_cfg(*TINY_BERT_MODEL, "dataset=text_files", f"dataset.data_files={path}")
+    with pytest.raises(UserError, match=message):
+        build(cfg)
+
+
+def test_a_model_refuses_data_it_cannot_read():
+    with pytest.raises(UserError, match="model=bert needs a text dataset"):
+        build(make_cfg("model=bert", "dataset=blobs"))
