@@ -9,8 +9,23 @@ import sys
 from runner.errors import UserError
 
 # Hydra flags after which we do not second-guess the command line.
-_HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion",
-                     "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+_HYDRA_INFO_FLAGS = (
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--cfg",
+    "-c",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+)
 MAX_PREFLIGHT_JOBS = 64
 
 
@@ -43,7 +58,9 @@ def expand(args: list[str]) -> list[list[str]]:
 def _check_group_choices(jobs: list[list[str]]) -> None:
     from runner import CONF_DIR
 
-    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()}
+    groups = {
+        d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()
+    }
     for job in jobs:
         for override in job:
             key, _, value = override.lstrip("+~").partition("=")
@@ -74,7 +91,9 @@ def preflight(args: list[str]) -> None:
                 raise UserError(_one_line(e)) from None
             missing = sorted(OmegaConf.missing_keys(cfg))
             if missing:
-                raise UserError(f"{missing[0]} is required: set it on the command line ({missing[0]}=...)")
+                raise UserError(
+                    f"{missing[0]} is required: set it on the command line ({missing[0]}=...)"
+                )
             validate(cfg)
 
 

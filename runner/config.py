@@ -96,7 +96,9 @@ def validate(cfg: DictConfig) -> None:
         t.gradient_clip_algorithm,
         "allowed: norm, value",
     )
-    _require(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1")
+    _require(
+        t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1"
+    )
     for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")
     _require(
@@ -105,10 +107,17 @@ def validate(cfg: DictConfig) -> None:
         t.device,
         "allowed: auto, cpu, cuda, cuda:N, mps",
     )
-    _require(p.mode in PRECISION_MODES, "precision.mode", p.mode, "allowed: " + ", ".join(PRECISION_MODES))
+    _require(
+        p.mode in PRECISION_MODES,
+        "precision.mode",
+        p.mode,
+        "allowed: " + ", ".join(PRECISION_MODES),
+    )
     gs = p.grad_scaler
     _require(gs.init_scale > 0, "precision.grad_scaler.init_scale", gs.init_scale, "must be > 0")
-    _require(gs.growth_factor > 1, "precision.grad_scaler.growth_factor", gs.growth_factor, "must be > 1")
+    _require(
+        gs.growth_factor > 1, "precision.grad_scaler.growth_factor", gs.growth_factor, "must be > 1"
+    )
     _require(
         0 < gs.backoff_factor < 1,
         "precision.grad_scaler.backoff_factor",
@@ -116,6 +125,9 @@ def validate(cfg: DictConfig) -> None:
         "must be between 0 and 1",
     )
     _require(
-        gs.growth_interval >= 1, "precision.grad_scaler.growth_interval", gs.growth_interval, "must be ≥ 1"
+        gs.growth_interval >= 1,
+        "precision.grad_scaler.growth_interval",
+        gs.growth_interval,
+        "must be ≥ 1",
     )
     _require(cfg.logger.backend in ("none",), "logger.backend", cfg.logger.backend, "allowed: none")

@@ -21,7 +21,9 @@ def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
     return instantiate(cfg.optimizer)([g for g in groups if g["params"]])
 
 
-def lr_factor(step: int, max_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
+def lr_factor(
+    step: int, max_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float
+) -> float:
     """Linear warm-up to the peak, then `decay` down to `min_lr_ratio` of it at `max_steps`."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -36,7 +38,9 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
     """Advanced only on optimizer steps that were applied (not on steps the scaler skipped)."""
     s = cfg.scheduler
     if s.decay not in ("cosine", "linear", "constant"):
-        raise UserError(f"optim.scheduler.decay={s.decay!r} is invalid: allowed: cosine, linear, constant")
+        raise UserError(
+            f"optim.scheduler.decay={s.decay!r} is invalid: allowed: cosine, linear, constant"
+        )
     if s.warmup_steps < 0 or not 0 <= s.min_lr_ratio <= 1:
         raise UserError("optim.scheduler: warmup_steps must be ≥ 0 and min_lr_ratio in [0, 1]")
     return torch.optim.lr_scheduler.LambdaLR(

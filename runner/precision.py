@@ -162,9 +162,7 @@ class Precision:
     ) -> StepResult:
         """unscale_ (once per optimizer) → grad norm → clip → step → update (once)."""
         params = [p for p in parameters if p.grad is not None]
-        loss_scale = 1.0
         if self.scaler:
-            loss_scale = self.scaler.get_scale()
             for opt in optimizers:
                 self.scaler.unscale_(opt)
         grads = [p.grad for p in params]
@@ -176,14 +174,15 @@ class Precision:
                 torch.nn.utils.clip_grad_value_(params, clip_val, foreach=True)
         if self.scaler:
             for opt in optimizers:
-                self.scaler.step(opt)
+                self.scaler.step(opt)  # syncs once to read its inf check; the reads below are free
+            loss_scale = self.scaler.get_scale()
             self.scaler.update()
             # update() backs the scale off exactly when it found inf/NaN, i.e. the step was skipped.
             skipped = self.scaler.get_scale() < loss_scale
         else:
             for opt in optimizers:
                 opt.step()
-            skipped = False
+            loss_scale, skipped = 1.0, False
         return StepResult(grad_norm.detach(), skipped, loss_scale)
 
     @property
@@ -200,4 +199,3 @@ class Precision:
     def describe(self) -> str:
         text = self.mode if self.requested == self.mode else f"{self.requested} → {self.mode}"
         return f"{text} ({self.reason})"
-

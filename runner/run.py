@@ -47,7 +47,9 @@ def resolve_device(name: str) -> torch.device:
             )
         return device
     if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("trainer.device=mps but MPS is not available here; use trainer.device=cpu or auto")
+        raise UserError(
+            "trainer.device=mps but MPS is not available here; use trainer.device=cpu or auto"
+        )
     return torch.device(name)
 
 

@@ -98,18 +98,27 @@ class DataModule(ABC):
 
     def train_loader(self, start_sample: int = 0) -> DataLoader:
         size = self.split_size("train")
-        return self._loader("train", 0, _StreamSampler(size, self.batch_size, self.seed, start_sample))
+        return self._loader(
+            "train", 0, _StreamSampler(size, self.batch_size, self.seed, start_sample)
+        )
 
     def val_loader(self, max_batches: int) -> DataLoader | None:
         size = self.split_size("validation")
         if size == 0:
             return None
         n = min(size, max_batches * self.batch_size)
-        keys = [[(0, i) for i in range(s, min(s + self.batch_size, n))] for s in range(0, n, self.batch_size)]
+        keys = [
+            [(0, i) for i in range(s, min(s + self.batch_size, n))]
+            for s in range(0, n, self.batch_size)
+        ]
         return self._loader("validation", 1, keys)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "batch_size": self.batch_size, "train_size": self.split_size("train")}
+        return {
+            "kind": self.kind,
+            "batch_size": self.batch_size,
+            "train_size": self.split_size("train"),
+        }
 
 
 def require_kind(data: DataModule, kind: str, model: str) -> None:

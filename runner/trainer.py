@@ -120,7 +120,9 @@ class Trainer:
                     rows[-1].update(self.evaluate())
                 self.log.log_rows(rows)
                 self.rows += rows
-                bar.update(self.step, rows[-1]["loss"], rows[-1]["loss_scale"], rows[-1]["samples_per_s"])
+                bar.update(
+                    self.step, rows[-1]["loss"], rows[-1]["loss_scale"], rows[-1]["samples_per_s"]
+                )
                 if ckpt_due or last:
                     self.save_checkpoint(step_file=ckpt_due)
                 interval_start = time.perf_counter()

@@ -5,7 +5,8 @@ backward → clip_grad_norm_ → AdamW step → zero_grad) on the same model, th
 weights and the same batches, for fp32 and bf16. Rounds interleave the two sides (and swap
 their order each round) so that thermal or background drift hits both alike; each timing is
 `--warmup` untimed steps, then `--steps` timed ones. The table shows median samples/s over
-rounds. It prints numbers and asserts nothing.
+rounds, and each ratio as the median of its per-round ratios (pairs timed back to back). It
+prints numbers and asserts nothing.
 
     python scripts/bench_step.py
     python scripts/bench_step.py --steps 50 --rounds 5 model.num_hidden_layers=2

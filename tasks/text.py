@@ -69,7 +69,9 @@ def train_tokenizer(files: list[str], vocab_size: int, cache_dir: Path) -> Token
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train(files, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    tok.train(
+        files, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS)
+    )
     _atomic_write(path, tok.to_str())
     return tok
 
@@ -99,7 +101,9 @@ class TextCorpus(DataModule):
         if batch_size < 1:
             raise UserError(f"dataset.batch_size={batch_size} is invalid: must be ≥ 1")
         if not 0 < mlm_probability < 1:
-            raise UserError(f"dataset.mlm_probability={mlm_probability} is invalid: must be in (0, 1)")
+            raise UserError(
+                f"dataset.mlm_probability={mlm_probability} is invalid: must be in (0, 1)"
+            )
         self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
         self.mlm_probability, self.num_workers = mlm_probability, num_workers
         cache = Path(os.path.expanduser(cache_dir))
@@ -175,7 +179,12 @@ class GeneratedText(TextCorpus):
     its context, so the MLM loss falls far below the unigram entropy, unlike random tokens."""
 
     def __init__(
-        self, num_documents: int, words_per_document: int, vocab_words: int, num_topics: int, **kwargs
+        self,
+        num_documents: int,
+        words_per_document: int,
+        vocab_words: int,
+        num_topics: int,
+        **kwargs,
     ):
         cache = Path(os.path.expanduser(kwargs["cache_dir"]))
         params = (kwargs["seed"], num_documents, words_per_document, vocab_words, num_topics)
@@ -208,12 +217,13 @@ def generate_corpus(
         if w not in words:
             words.append(w)
     topic_size = max(4, vocab_words // num_topics)
-    topics = [rng.choice(vocab_words, size=min(topic_size, vocab_words), replace=False) for _ in range(num_topics)]
+    topics = [
+        rng.choice(vocab_words, size=min(topic_size, vocab_words), replace=False)
+        for _ in range(num_topics)
+    ]
     start_cdf = np.cumsum(1.0 / np.arange(1, topic_size + 1))
     start_cdf /= start_cdf[-1]
-    successors = [
-        np.stack([rng.choice(len(t), size=4, replace=False) for _ in t]) for t in topics
-    ]
+    successors = [np.stack([rng.choice(len(t), size=4, replace=False) for _ in t]) for t in topics]
     succ_cdf = np.cumsum([0.7, 0.2, 0.07, 0.03])
 
     def document(doc_rng: np.random.Generator) -> str:

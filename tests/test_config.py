@@ -16,7 +16,10 @@ from tests.helpers import make_cfg
         (["precision=fp8"], "unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
         (["model=gpt9"], "unknown model 'gpt9': choose from bert, bert_base, mlp"),
         (["-m", "precision=fp32,fp7"], "unknown precision 'fp7'"),
-        (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 is invalid: must be ≥ 1"),
+        (
+            ["trainer.accumulate_grad_batches=0"],
+            "trainer.accumulate_grad_batches=0 is invalid: must be ≥ 1",
+        ),
         (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1.0 is invalid"),
         (["trainer.max_steps=0"], "trainer.max_steps=0 is invalid: must be ≥ 1"),
         (["trainer.gradient_clip_algorithm=l3"], "allowed: norm, value"),
@@ -24,7 +27,10 @@ from tests.helpers import make_cfg
         (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
         (["trainer.max_steps=abc"], "could not be converted to Integer"),
         (["dataset=text_files"], "dataset.data_files is required"),
-        (["precision=fp16", "precision.grad_scaler.backoff_factor=2"], "backoff_factor=2.0 is invalid"),
+        (
+            ["precision=fp16", "precision.grad_scaler.backoff_factor=2"],
+            "backoff_factor=2.0 is invalid",
+        ),
         (["-m", "precision=fp32,bf16", "trainer.max_steps=-3"], "trainer.max_steps=-3 is invalid"),
     ],
 )
@@ -55,7 +61,9 @@ def test_schema_types_are_enforced_at_compose_time():
 def test_model_picks_its_dataset_and_command_line_wins():
     assert make_cfg("model=mlp").dataset._target_.endswith("Blobs")
     assert make_cfg("model=bert").dataset._target_.endswith("GeneratedText")
-    assert make_cfg("model=mlp", "dataset=synthetic_text").dataset._target_.endswith("GeneratedText")
+    assert make_cfg("model=mlp", "dataset=synthetic_text").dataset._target_.endswith(
+        "GeneratedText"
+    )
 
 
 def test_bert_base_has_the_real_size():

@@ -82,8 +82,11 @@ def test_text_files_train_a_tokenizer_on_local_text(tmp_path):
     (tmp_path / "a.txt").write_text("\n".join(lines[:30]) + "\n")
     (tmp_path / "b.txt").write_text("\n\n".join(lines[30:]) + "\n")  # blank lines are skipped
     cfg = make_cfg(
-        *TINY_BERT_MODEL, "dataset=text_files", f"dataset.data_files={tmp_path}/*.txt",
-        "dataset.vocab_size=200", "dataset.seq_len=16",
+        *TINY_BERT_MODEL,
+        "dataset=text_files",
+        f"dataset.data_files={tmp_path}/*.txt",
+        "dataset.vocab_size=200",
+        "dataset.seq_len=16",
     )
     data, task = build(cfg)
     assert data.split_size("train") > 0 and data.split_size("validation") > 0

@@ -84,7 +84,9 @@ def test_auto_picks_the_best_native_mode():
 
 
 def test_bf16_on_a_gpu_without_it_is_refused_with_the_reason():
-    with pytest.raises(UserError, match=r"precision=bf16 is not supported natively here: Tesla V100"):
+    with pytest.raises(
+        UserError, match=r"precision=bf16 is not supported natively here: Tesla V100"
+    ):
         Precision(PrecisionConfig(mode="bf16"), torch.device("cuda"), DeviceCaps(**V100))
     with pytest.raises(UserError, match="tf32"):
         Precision(PrecisionConfig(mode="tf32"), torch.device("cuda"), DeviceCaps(**T4))
@@ -118,9 +120,12 @@ def test_accumulation_scales_every_micro_batch_and_steps_once(tmp_path, monkeypa
         *TINY_MLP, "precision=fp16", "trainer.max_steps=3", "trainer.accumulate_grad_batches=3"
     )
     run(cfg, tmp_path)
-    assert spy.calls == ["scale"] * 3 + ["unscale_", "step", "update"] + (
-        ["scale"] * 3 + ["unscale_", "step", "update"]
-    ) * 2
+    assert (
+        spy.calls
+        == ["scale"] * 3
+        + ["unscale_", "step", "update"]
+        + (["scale"] * 3 + ["unscale_", "step", "update"]) * 2
+    )
 
 
 def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path):
@@ -134,7 +139,9 @@ def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path):
     assert [r["skipped_total"] for r in rows] == list(range(1, 7))
     assert summary["skipped_steps"] == 6
     scales = [r["loss_scale"] for r in rows]
-    assert scales[0] == pytest.approx(1e30) and all(b == a / 2 for a, b in zip(scales, scales[1:], strict=False))
+    assert scales[0] == pytest.approx(1e30) and all(
+        b == a / 2 for a, b in zip(scales, scales[1:], strict=False)
+    )
     assert len({r["lr"] for r in rows}) == 1  # the warm-up did not advance
     seed_everything(cfg.seed)
     _, initial = build(cfg)

@@ -27,8 +27,11 @@ def reference_loop(cfg, steps: int, mode: str) -> dict[str, torch.Tensor]:
     seed_everything(cfg.seed)
     data, model = build(cfg)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.optimizer.lr, betas=tuple(cfg.optim.optimizer.betas),
-        eps=cfg.optim.optimizer.eps, weight_decay=0.0,
+        model.parameters(),
+        lr=cfg.optim.optimizer.lr,
+        betas=tuple(cfg.optim.optimizer.betas),
+        eps=cfg.optim.optimizer.eps,
+        weight_decay=0.0,
     )
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
     scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
@@ -67,8 +70,14 @@ def test_accumulation_equals_one_bigger_batch(tmp_path):
     """accumulate_grad_batches=4 × batch 4 ≡ 1 × batch 16: loss normalised by masked tokens over
     the whole window, masks fixed per sample, samples in the same order."""
     common = [*TINY_BERT, "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
-    run(make_cfg(*common, "trainer.accumulate_grad_batches=4", "dataset.batch_size=4"), tmp_path / "a")
-    run(make_cfg(*common, "trainer.accumulate_grad_batches=1", "dataset.batch_size=16"), tmp_path / "b")
+    run(
+        make_cfg(*common, "trainer.accumulate_grad_batches=4", "dataset.batch_size=4"),
+        tmp_path / "a",
+    )
+    run(
+        make_cfg(*common, "trainer.accumulate_grad_batches=1", "dataset.batch_size=16"),
+        tmp_path / "b",
+    )
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
@@ -94,16 +103,33 @@ def test_run_outputs_follow_the_contract(tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 8))  # one row per optimizer step
     for r in rows:
-        assert {"step", "loss", "grad_norm", "loss_scale", "skipped", "lr", "step_time_s",
-                "samples_per_s", "tokens_per_s"} <= set(r)
+        assert {
+            "step",
+            "loss",
+            "grad_norm",
+            "loss_scale",
+            "skipped",
+            "lr",
+            "step_time_s",
+            "samples_per_s",
+            "tokens_per_s",
+        } <= set(r)
         assert isinstance(r["loss"], float) and isinstance(r["skipped"], bool)
         assert r["loss_scale"] == 1.0 and r["samples_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 7]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == pytest.approx(summary) or on_disk["steps"] == summary["steps"] == 7
-    for key in ("final_loss", "skipped_steps", "samples_per_s", "peak_memory_mb", "precision",
-                "device", "eval_loss", "eval_accuracy"):
+    for key in (
+        "final_loss",
+        "skipped_steps",
+        "samples_per_s",
+        "peak_memory_mb",
+        "precision",
+        "device",
+        "eval_loss",
+        "eval_accuracy",
+    ):
         assert key in on_disk, key
     assert on_disk["precision"] == "bf16" and on_disk["skipped_steps"] == 0
     assert on_disk["final_loss"] == rows[-1]["loss"]
@@ -115,16 +141,25 @@ def test_generated_corpus_is_learnable(tmp_path):
     """The MLM loss falls well below the unigram entropy of the training tokens: the data has
     structure a model can learn, so a precision that hurts learning shows up."""
     cfg = make_cfg(
-        "model=bert", "model.hidden_size=64", "model.num_hidden_layers=2",
-        "model.num_attention_heads=2", "model.intermediate_size=128", "model.dropout=0",
-        "dataset.seq_len=32", "dataset.batch_size=32", "precision=bf16", "trainer.max_steps=400",
-        "trainer.val_check_interval=400", "trainer.progress_bar=false",
+        "model=bert",
+        "model.hidden_size=128",
+        "model.intermediate_size=256",
+        "model.dropout=0",
+        "dataset.seq_len=32",
+        "dataset.batch_size=32",
+        "optim.optimizer.lr=2e-3",
+        "precision=bf16",
+        "trainer.max_steps=400",
+        "trainer.val_check_interval=400",
+        "trainer.progress_bar=false",
     )
     summary = run(cfg, tmp_path)
     seed_everything(cfg.seed)
     data, _ = build(cfg)
-    counts = torch.bincount(torch.from_numpy(np.asarray(data.splits["train"]["input_ids"])).flatten())
+    counts = torch.bincount(
+        torch.from_numpy(np.asarray(data.splits["train"]["input_ids"])).flatten()
+    )
     p = counts[counts > 0].double() / counts.sum()
     unigram_entropy = float(-(p * p.log()).sum())
     assert math.isfinite(summary["eval_loss"])
-    assert summary["eval_loss"] < 0.8 * unigram_entropy, (summary["eval_loss"], unigram_entropy)
+    assert summary["eval_loss"] < 0.75 * unigram_entropy, (summary["eval_loss"], unigram_entropy)

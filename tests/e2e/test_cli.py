@@ -16,13 +16,19 @@ pytestmark = pytest.mark.slow
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def test_main_command_writes_every_run_output(tmp_path):
     out = tmp_path / "run"
-    proc = cli("precision=bf16", *TINY_BERT, "trainer.max_steps=6", f"hydra.run.dir={out}", cwd=tmp_path)
+    proc = cli(
+        "precision=bf16", *TINY_BERT, "trainer.max_steps=6", f"hydra.run.dir={out}", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert "precision: bf16" in proc.stderr
     assert "amp-runner summary" in proc.stdout and "final_loss" in proc.stdout
@@ -38,8 +44,12 @@ def test_main_command_writes_every_run_output(tmp_path):
 def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
     sweep = tmp_path / "sweep"
     proc = cli(
-        "-m", "precision=tf32,fp32,fp16,bf16", *TINY_BERT, "trainer.max_steps=4",
-        f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+        "-m",
+        "precision=tf32,fp32,fp16,bf16",
+        *TINY_BERT,
+        "trainer.max_steps=4",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
@@ -57,13 +67,21 @@ def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["precision=fp8"], "error: unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
+        (
+            ["precision=fp8"],
+            "error: unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32",
+        ),
         (["model=resnet9"], "error: unknown model 'resnet9'"),
-        (["trainer.accumulate_grad_batches=0"], "error: trainer.accumulate_grad_batches=0 is invalid"),
+        (
+            ["trainer.accumulate_grad_batches=0"],
+            "error: trainer.accumulate_grad_batches=0 is invalid",
+        ),
         (["trainer.gradient_clip_val=-0.5"], "error: trainer.gradient_clip_val=-0.5 is invalid"),
         (["trainer.max_steps=0"], "error: trainer.max_steps=0 is invalid"),
-        (["dataset=text_files", "dataset.data_files=/no/such/corpus.txt"],
-         "error: dataset.data_files: no file found at '/no/such/corpus.txt'"),
+        (
+            ["dataset=text_files", "dataset.data_files=/no/such/corpus.txt"],
+            "error: dataset.data_files: no file found at '/no/such/corpus.txt'",
+        ),
         (["trainer.device=cuda"], "error: trainer.device=cuda but CUDA is not available here"),
     ],
 )
