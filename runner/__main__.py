@@ -1,14 +1,19 @@
-"""`python -m runner [overrides]`: one run, or a sweep with `-m`."""
+"""`python -m runner [overrides]`: one run, or a sweep with `-m` (compared when it ends)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.cli import fail, preflight
+from runner.cli import fail, is_multirun, preflight, sweep_keys
+from runner.compare import CompareCallback
 from runner.errors import UserError
+from runner.tracking import SWEEP_KEYS_ENV
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -17,16 +22,29 @@ def job(cfg: DictConfig) -> float | None:
 
     try:
         return run(cfg)["final_loss"]
-    except UserError as e:
-        fail(e)
+    except Exception as e:
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            if isinstance(e, UserError):
+                fail(e)
+            raise
+        # One failed job does not stop the sweep: its summary.json says why, and the comparison
+        # at the end reports it (and the command exits non-zero).
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"error: job {HydraConfig.get().job.num} failed: {first}", file=sys.stderr)
+        return None
 
 
 def main() -> None:
+    args = sys.argv[1:]
     try:
-        preflight(sys.argv[1:])
+        preflight(args)
+        if is_multirun(args):
+            os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))
     except UserError as e:
         fail(e)
     job()
+    if CompareCallback.failed_jobs:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,26 @@ def _one_line(e: BaseException) -> str:
     return ": ".join(dict.fromkeys(parts)) or "invalid configuration"
 
 
-def expand(args: list[str]) -> list[list[str]]:
-    """The override lists of every job the command line describes (one for a single run)."""
+def _parse(args: list[str]):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = OverridesParser.create().parse_overrides(
+    return OverridesParser.create().parse_overrides(
         [a for a in args if not a.startswith("-") and not a.startswith(("hydra.", "hydra/"))]
     )
+
+
+def is_multirun(args: list[str]) -> bool:
+    return "-m" in args or "--multirun" in args
+
+
+def sweep_keys(args: list[str]) -> list[str]:
+    """The keys a multirun varies, e.g. ["precision"] for `-m precision=fp32,bf16`."""
+    return [o.get_key_element().lstrip("+~") for o in _parse(args) if o.is_sweep_override()]
+
+
+def expand(args: list[str]) -> list[list[str]]:
+    """The override lists of every job the command line describes (one for a single run)."""
+    overrides = _parse(args)
     choices = []
     for o in overrides:
         if o.is_sweep_override():

@@ -51,7 +51,15 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    backend: str = "none"
+    backend: str = "wandb"  # wandb | none (metrics.jsonl and summary.json are written either way)
+    project: str = "amp-runner"
+    entity: str | None = None
+    mode: str = "offline"  # offline | online | disabled; WANDB_MODE in the environment wins
+    group: str | None = None  # null: the sweep's name in a multirun, none for a single run
+    name: str | None = None  # null: the model and the overrides that differ, e.g. bert-bf16
+    job_type: str = "train"
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 30.0
 
 
 @dataclass
@@ -130,4 +138,11 @@ def validate(cfg: DictConfig) -> None:
         gs.growth_interval,
         "must be ≥ 1",
     )
-    _require(cfg.logger.backend in ("none",), "logger.backend", cfg.logger.backend, "allowed: none")
+    lg = cfg.logger
+    _require(lg.backend in ("wandb", "none"), "logger.backend", lg.backend, "allowed: wandb, none")
+    _require(
+        lg.mode in ("offline", "online", "disabled"),
+        "logger.mode",
+        lg.mode,
+        "allowed: offline, online, disabled",
+    )

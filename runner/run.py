@@ -3,6 +3,7 @@ notebooks call it; it leaves no global state behind for the next run in the same
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from runner.optim import build_optimizer, build_scheduler
 from runner.precision import DeviceCaps, Precision
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
-from runner.tracking import RunLog
+from runner.tracking import RunLog, open_tracker
 from runner.trainer import Trainer
 
 
@@ -65,6 +66,16 @@ def build(cfg: DictConfig) -> tuple[DataModule, Task]:
     return data, task
 
 
+def cap_threads() -> None:
+    """Parallel local jobs (joblib launcher) share the cores: oversubscribed BLAS threads spin
+    and slow every job many times over, so each job gets its share."""
+    if HydraConfig.initialized():
+        n_jobs = HydraConfig.get().launcher.get("n_jobs")
+        if n_jobs:
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(max(1, cores // (cores if n_jobs < 0 else n_jobs)))
+
+
 def output_dir(explicit: str | Path | None) -> Path:
     if explicit is not None:
         return Path(explicit)
@@ -75,43 +86,53 @@ def output_dir(explicit: str | Path | None) -> Path:
 
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
-    directory; return the summary."""
+    directory; return the summary. A failed run still leaves a summary.json that says why."""
     validate(cfg)
     out = output_dir(out_dir)
-    device = resolve_device(cfg.trainer.device)
-    caps = DeviceCaps.probe(device)
-    precision = Precision(cfg.precision, device, caps)
-    log = None
+    log = RunLog(out, open_tracker(cfg, out))
+    summary: dict = {"status": "running"}
+    precision = trainer = None
     try:
+        device = resolve_device(cfg.trainer.device)
+        caps = DeviceCaps.probe(device)
+        precision = Precision(cfg.precision, device, caps)
         console.say(f"precision: {precision.describe()}")
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
+        summary |= {
+            "precision": precision.mode,
+            "precision_requested": precision.requested,
+            "precision_reason": precision.reason,
+            "device": str(device),
+            "device_name": caps.name,
+            "torch_version": torch.__version__,
+        }
+        cap_threads()
         seed_everything(cfg.seed)
         data, task = build(cfg)
         task.to(device)
         reset_peak_memory(device)
         optimizer = build_optimizer(cfg.optim, task)
         scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
-        log = RunLog(out)
         trainer = Trainer(cfg.trainer, task, data, precision, optimizer, scheduler, log, device)
-        summary = {
-            "status": "completed",
-            "precision": precision.mode,
-            "precision_requested": precision.requested,
-            "precision_reason": precision.reason,
-            "device": str(device),
-            "device_name": caps.name,
+        summary |= {
             "task": type(task).__name__,
             "parameters": sum(p.numel() for p in task.parameters()),
             "batch_size": data.batch_size,
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
-            "torch_version": torch.__version__,
         }
         summary |= trainer.fit()
-        log.finish(summary)
-        console.summary_table(summary)
-        return summary
+        summary["status"] = "completed"
+    except BaseException as e:
+        summary["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        summary["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if trainer is not None:
+            summary["steps"] = trainer.step
+        log.finish(summary, exit_code=130 if isinstance(e, KeyboardInterrupt) else 1)
+        raise
     finally:
-        if log is not None:
-            log.close()
-        precision.close()
+        if precision is not None:
+            precision.close()
+    log.finish(summary)
+    console.summary_table(summary)
+    return summary

@@ -1,11 +1,22 @@
-"""Where metrics go: `metrics.jsonl` (always, the source of truth), `summary.json`, and the
-configured tracker backend."""
+"""Where metrics go: `metrics.jsonl` (always; the source of truth), `summary.json`, and the
+tracker backend (Weights & Biases). A tracker failure is a warning, never a lost metric."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from runner import console
+
+# Set by the entry point for a multirun (and inherited by launcher subprocesses): the keys the
+# sweep varies, so every job is named after the values that tell it apart.
+SWEEP_KEYS_ENV = "AMP_RUNNER_SWEEP_KEYS"
 
 
 def _jsonable(value):
@@ -15,25 +26,124 @@ def _jsonable(value):
     return value
 
 
+def dumps(record: dict) -> str:
+    return json.dumps({k: _jsonable(v) for k, v in record.items()})
+
+
+def run_identity(cfg: DictConfig) -> tuple[str | None, str]:
+    """(group, name): the group is the sweep (one per multirun), the name the model plus the
+    values of the swept overrides, e.g. ("multirun-2026-11-29-10-00-00", "bert-bf16")."""
+    group, name = cfg.logger.group, cfg.logger.name
+    model = precision = None
+    swept: list[str] = []
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        model, precision = hc.runtime.choices.get("model"), hc.runtime.choices.get("precision")
+        if hc.mode == RunMode.MULTIRUN:
+            sweep_dir = Path(hc.sweep.dir).resolve()
+            group = group or f"{sweep_dir.parent.name}-{sweep_dir.name}".strip("-")
+            keys = set(filter(None, os.environ.get(SWEEP_KEYS_ENV, "").split(",")))
+            for override in hc.overrides.task:
+                key, _, value = override.lstrip("+~").partition("=")
+                if key in keys and key not in ("model", "precision"):
+                    swept.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    parts = [model or type_name(cfg.model), precision or cfg.precision.mode, *swept]
+    return group, name or "-".join(parts)
+
+
+def type_name(node: DictConfig) -> str:
+    return str(node.get("_target_", "model")).rsplit(".", 1)[-1].lower()
+
+
+class WandbTracker:
+    """One W&B run per job, in the run directory; every series plotted against `step`."""
+
+    def __init__(self, cfg: DictConfig, out_dir: Path):
+        import wandb
+
+        lg = cfg.logger
+        group, name = run_identity(cfg)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        if HydraConfig.initialized():
+            config["choices"] = dict(HydraConfig.get().runtime.choices)
+        self.run = wandb.init(
+            project=lg.project,
+            entity=lg.entity,
+            group=group,
+            name=name,
+            job_type=lg.job_type,
+            tags=list(lg.tags),
+            config=config,
+            dir=str(out_dir),
+            mode=os.environ.get("WANDB_MODE", lg.mode),
+            reinit="finish_previous",
+            settings=wandb.Settings(init_timeout=lg.init_timeout_s, silent=True, console="off"),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    @property
+    def offline_dir(self) -> str | None:
+        return self.run.dir.removesuffix("/files") if self.run.settings.mode == "offline" else None
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.run.log(row)
+
+    def finish(self, summary: dict, exit_code: int) -> None:
+        self.run.summary.update({k: v for k, v in summary.items() if v is not None})
+        self.run.finish(exit_code=exit_code)
+
+
 class RunLog:
     """One run's metrics. Rows are written (and flushed) as they come, so a crash loses nothing
-    that was logged."""
+    that was logged; the tracker gets the same rows."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, tracker: WandbTracker | None = None):
         self.out_dir = out_dir
+        self.tracker = tracker
         out_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(out_dir / "metrics.jsonl", "w", encoding="utf-8")
 
     def log_rows(self, rows: list[dict]) -> None:
         for row in rows:
-            self._metrics.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            self._metrics.write(dumps(row) + "\n")
         self._metrics.flush()
+        self._to_tracker("log", rows)
 
-    def finish(self, summary: dict) -> None:
-        self._metrics.close()
-        text = json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2)
-        (self.out_dir / "summary.json").write_text(text + "\n")
+    def _to_tracker(self, method: str, *args) -> None:
+        if self.tracker is None:
+            return
+        try:
+            getattr(self.tracker, method)(*args)
+        except Exception as e:  # the tracker is a convenience; metrics.jsonl is the record
+            console.say(f"[yellow]warning:[/] W&B {method} failed ({e}); metrics.jsonl is complete")
+            self.tracker = None
 
-    def close(self) -> None:
+    def finish(self, summary: dict, exit_code: int = 0) -> None:
+        """Write summary.json and finish the tracker run (with the exit code, on failure too)."""
         if not self._metrics.closed:
             self._metrics.close()
+        (self.out_dir / "summary.json").write_text(
+            json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
+        )
+        offline_dir = self.tracker.offline_dir if self.tracker else None
+        self._to_tracker("finish", summary, exit_code)
+        if offline_dir:
+            console.console.print(
+                f"W&B run saved offline; upload it with: wandb sync {offline_dir}",
+                soft_wrap=True,
+                highlight=False,
+            )
+
+
+def open_tracker(cfg: DictConfig, out_dir: Path) -> WandbTracker | None:
+    """The configured tracker, or None (with a warning) when it cannot start."""
+    if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled":
+        return None
+    try:
+        return WandbTracker(cfg, out_dir)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        console.say(f"[yellow]warning:[/] W&B did not start ({first}); metrics.jsonl is complete")
+        return None

@@ -1,0 +1,404 @@
+"""`python -m runner.compare SWEEP_DIR`: the precisions of a sweep side by side, with a verdict.
+
+Reads each job folder's summary.json, metrics.jsonl and .hydra/config.yaml; writes compare.md,
+compare.csv, compare.json and compare.png into the sweep folder, prints the table, and logs it to
+the sweep's W&B group. Also runs by itself at the end of every multirun (`CompareCallback`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+from runner.errors import UserError
+
+TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence"
+MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
+MAX_SKIPPED_SHARE = 0.5
+
+
+@dataclass
+class Job:
+    folder: Path
+    summary: dict
+    rows: list[dict]
+    config: dict
+    overrides: list[str]
+    label: str = ""
+    verdict: str = ""
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def precision(self) -> str:
+        return self.summary.get("precision") or self.config.get("precision", {}).get("mode", "?")
+
+    @property
+    def healthy(self) -> bool:
+        return self.figures.get("health") == "ok"
+
+
+def _float(value) -> float:
+    return float(value) if value is not None else math.nan
+
+
+def _read_job(folder: Path) -> Job:
+    summary_file, metrics_file = folder / "summary.json", folder / "metrics.jsonl"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    if not summary:
+        summary = {
+            "status": "failed",
+            "error": "no summary.json: the job was killed or never started",
+        }
+    rows = []
+    if metrics_file.exists():
+        rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    hydra_dir = folder / ".hydra"
+    config = (
+        OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"))
+        if (hydra_dir / "config.yaml").exists()
+        else {}
+    )
+    overrides = (
+        list(OmegaConf.load(hydra_dir / "overrides.yaml"))
+        if (hydra_dir / "overrides.yaml").exists()
+        else []
+    )
+    return Job(folder, summary, rows, config, overrides)
+
+
+def load_sweep(sweep_dir: Path) -> list[Job]:
+    if not sweep_dir.is_dir():
+        raise UserError(f"compare: {sweep_dir} is not a folder")
+    folders = sorted(
+        (
+            p
+            for p in sweep_dir.iterdir()
+            if p.is_dir() and ((p / ".hydra").is_dir() or (p / "summary.json").exists())
+        ),
+        key=lambda p: (len(p.name), p.name),
+    )
+    if not folders:
+        raise UserError(
+            f"compare: no runs in {sweep_dir} (expected job folders with .hydra/ or summary.json)"
+        )
+    jobs = [_read_job(f) for f in folders]
+    models = {
+        json.dumps(j.config.get("model"), sort_keys=True) for j in jobs if j.config.get("model")
+    }
+    if len(models) > 1:
+        names = sorted(
+            {
+                str(j.config["model"].get("_target_", "?")).rsplit(".", 1)[-1]
+                for j in jobs
+                if j.config.get("model")
+            }
+        )
+        raise UserError(
+            f"compare: {sweep_dir} mixes runs of different models ({', '.join(names)} or different "
+            "sizes); compare one model at a time"
+        )
+    return jobs
+
+
+def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
+    steps = [r["step"] for r in rows]
+    losses = [_float(r.get("loss")) for r in rows]
+    out = {}
+    for i, step in enumerate(steps):
+        chunk = losses[max(0, i - window + 1) : i + 1]
+        out[step] = sum(chunk) / len(chunk)
+    return out
+
+
+def _context(job: Job) -> tuple:
+    """What must match for two jobs to be compared: every override but the precision."""
+    return tuple(sorted(o for o in job.overrides if not o.startswith("precision")))
+
+
+def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
+    """Fill each job's figures (vs the fp32 job of the same context) and verdict."""
+    baselines = {
+        _context(j): j
+        for j in jobs
+        if j.precision == "fp32" and j.summary.get("status") == "completed"
+    }
+    values: dict[str, set[str]] = {}
+    for job in jobs:
+        for key, _, value in (o.partition("=") for o in _context(job)):
+            values.setdefault(key, set()).add(value)
+    varying = {key for key, seen in values.items() if len(seen) > 1}
+    for job in jobs:
+        s = job.summary
+        others = [
+            f"{k.rsplit('.', 1)[-1]}={v}"
+            for k, _, v in (o.partition("=") for o in _context(job))
+            if k in varying
+        ]
+        job.label = " ".join([job.precision, *others])
+        steps = s.get("steps") or len(job.rows)
+        final_loss = _float(s.get("final_loss"))
+        skipped = s.get("skipped_steps") or 0
+        f = job.figures = {
+            "samples_per_s": _float(s.get("samples_per_s")),
+            "peak_memory_mb": _float(s.get("peak_memory_mb")),
+            "final_loss": final_loss,
+            "eval_loss": _float(s.get("eval_loss")),
+            "skipped_steps": skipped,
+            "steps": steps,
+            "final_loss_scale": _float(s.get("final_loss_scale")),
+        }
+        base = baselines.get(_context(job))
+        if base is not None:
+            b = base.summary
+            f["speedup"] = f["samples_per_s"] / _float(b.get("samples_per_s"))
+            f["memory_saving"] = 1 - f["peak_memory_mb"] / _float(b.get("peak_memory_mb"))
+            window = max(1, min(len(job.rows), len(base.rows)) // 10)
+            ours, theirs = _smoothed(job.rows, window), _smoothed(base.rows, window)
+            gaps = [
+                abs(ours[k] - theirs[k]) / abs(theirs[k])
+                for k in ours.keys() & theirs.keys()
+                if theirs[k]
+            ]
+            f["max_loss_gap"] = max(gaps) if gaps else math.nan
+            last = max(ours.keys() & theirs.keys(), default=None)
+            f["final_loss_gap"] = (
+                (ours[last] - theirs[last]) / abs(theirs[last]) if last else math.nan
+            )
+        if s.get("status") != "completed":
+            f["health"] = "failed"
+            job.verdict = f"failed: {s.get('error', s.get('status'))}"
+        elif not math.isfinite(final_loss) or any(
+            not math.isfinite(_float(r.get("loss"))) for r in job.rows
+        ):
+            f["health"] = "diverged"
+            job.verdict = "diverged: the loss became inf/NaN — not recommended"
+        elif steps and skipped / steps > MAX_SKIPPED_SHARE:
+            f["health"] = "overflow"
+            job.verdict = f"overflowed: {skipped} of {steps} steps skipped — not recommended"
+        elif base is not None and f["final_loss_gap"] > tolerance:
+            f["health"] = "worse"
+            job.verdict = f"loss {f['final_loss_gap']:+.1%} vs fp32 — not recommended"
+        else:
+            f["health"] = "ok"
+    _recommend(jobs, baselines)
+
+
+def _recommend(jobs: list[Job], baselines: dict) -> None:
+    for context, base in baselines.items():
+        group = [j for j in jobs if _context(j) == context and j.healthy]
+        fast = [j for j in group if j is not base and j.figures.get("speedup", 0) >= MIN_SPEEDUP]
+        best = max(fast, key=lambda j: j.figures["speedup"], default=base)
+        for job in group:
+            f = job.figures
+            if job is base:
+                job.verdict = "baseline" + (
+                    " — recommended: no mode is faster here" if best is base else ""
+                )
+                continue
+            speed = f"{f['speedup']:.2f}× {'faster' if f['speedup'] >= 1 else 'the speed'}"
+            loss = f"loss within {abs(f['final_loss_gap']):.1%} of fp32"
+            tail = (
+                "recommended"
+                if job is best
+                else ("no gain" if f["speedup"] < MIN_SPEEDUP else "ok")
+            )
+            job.verdict = f"{speed}, {loss} — {tail}"
+    for job in jobs:
+        if not job.verdict:
+            job.verdict = "no fp32 run to compare with"
+
+
+COLUMNS = [
+    ("precision", "label", "{}"),
+    ("samples/s", "samples_per_s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}×"),
+    ("peak MB", "peak_memory_mb", "{:.0f}"),
+    ("mem saving", "memory_saving", "{:+.0%}"),
+    ("final loss", "final_loss", "{:.4f}"),
+    ("eval loss", "eval_loss", "{:.4f}"),
+    ("max loss gap", "max_loss_gap", "{:.1%}"),
+    ("skipped", "skipped_steps", "{}"),
+    ("loss scale", "final_loss_scale", "{:g}"),
+    ("verdict", "verdict", "{}"),
+]
+
+
+def _cell(job: Job, key: str, fmt: str) -> str:
+    value = getattr(job, key) if key in ("label", "verdict") else job.figures.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return fmt.format(value)
+
+
+def table(jobs: list[Job]) -> list[list[str]]:
+    return [[name for name, _, _ in COLUMNS]] + [
+        [_cell(j, k, f) for _, k, f in COLUMNS] for j in jobs
+    ]
+
+
+def plot(jobs: list[Job], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    scale_ax = None
+    for job in jobs:
+        rows = [r for r in job.rows if math.isfinite(_float(r.get("loss")))]
+        if rows:
+            ax.plot(
+                [r["step"] for r in rows], [r["loss"] for r in rows], label=job.label, linewidth=1.2
+            )
+        if job.precision == "fp16" and job.rows:
+            scale_ax = scale_ax or ax.twinx()
+            scale_ax.plot(
+                [r["step"] for r in job.rows],
+                [r["loss_scale"] for r in job.rows],
+                "--",
+                color="grey",
+                linewidth=1,
+                label=f"{job.label} loss scale",
+            )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("loss by precision")
+    handles, labels = ax.get_legend_handles_labels()
+    if scale_ax is not None:
+        scale_ax.set_yscale("log")
+        scale_ax.set_ylabel("fp16 loss scale")
+        h2, l2 = scale_ax.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(jobs: list[Job], sweep_dir: Path) -> dict[str, Path]:
+    rows = table(jobs)
+    paths = {ext: sweep_dir / f"compare.{ext}" for ext in ("md", "csv", "json", "png")}
+    md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    paths["md"].write_text(
+        f"# Precision comparison: {sweep_dir}\n\n" + "\n".join(md) + "\n\n![loss](compare.png)\n"
+    )
+    with open(paths["csv"], "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    records = [
+        {
+            "job": j.folder.name,
+            "precision": j.precision,
+            "label": j.label,
+            "status": j.summary.get("status"),
+            "verdict": j.verdict,
+            **{
+                k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in j.figures.items()
+            },
+        }
+        for j in jobs
+    ]
+    paths["json"].write_text(json.dumps(records, indent=2) + "\n")
+    plot(jobs, paths["png"])
+    return paths
+
+
+def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> None:
+    """The table and the plot as a `compare` run in the sweep's W&B group (where jobs used W&B)."""
+    logger = next((j.config.get("logger") for j in jobs if j.config.get("logger")), None)
+    if not logger or logger.get("backend") != "wandb" or logger.get("mode") == "disabled":
+        return
+    import os
+
+    import wandb
+
+    from runner import console
+
+    group = logger.get("group") or f"{sweep_dir.resolve().parent.name}-{sweep_dir.resolve().name}"
+    try:
+        run = wandb.init(
+            project=logger.get("project"),
+            entity=logger.get("entity"),
+            group=group,
+            job_type="compare",
+            name="compare",
+            dir=str(sweep_dir),
+            mode=os.environ.get("WANDB_MODE", logger.get("mode")),
+            reinit="finish_previous",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        rows = table(jobs)
+        run.log(
+            {
+                "comparison": wandb.Table(columns=rows[0], data=rows[1:]),
+                "loss_by_precision": wandb.Image(str(paths["png"])),
+            }
+        )
+        run.finish()
+    except Exception as e:
+        console.say(f"[yellow]warning:[/] W&B logging of the comparison failed ({e})")
+
+
+def compare(sweep_dir: Path, tolerance: float = TOLERANCE, wandb_log: bool = True) -> list[Job]:
+    from rich.console import Console
+    from rich.table import Table
+
+    jobs = load_sweep(sweep_dir)
+    analyse(jobs, tolerance)
+    paths = write(jobs, sweep_dir)
+    rows = table(jobs)
+    shown = Table(title=f"precision comparison — {sweep_dir}", title_justify="left")
+    for name in rows[0]:
+        shown.add_column(name, overflow="fold")
+    for r in rows[1:]:
+        shown.add_row(*r)
+    Console(width=None if sys.stdout.isatty() else 200).print(shown)
+    print(f"written: {', '.join(str(p) for p in paths.values())}")
+    if wandb_log:
+        log_to_wandb(jobs, sweep_dir, paths)
+    return jobs
+
+
+class CompareCallback(Callback):
+    """Runs the comparison when a multirun ends; a failed job makes the command exit non-zero."""
+
+    failed_jobs = 0
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        try:
+            jobs = compare(Path(config.hydra.sweep.dir))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return
+        CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.compare", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("sweep_dir", type=Path)
+    parser.add_argument(
+        "--tolerance", type=float, default=TOLERANCE, help="loss gap vs fp32 still counted as equal"
+    )
+    parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
+    args = parser.parse_args(argv)
+    try:
+        compare(args.sweep_dir, args.tolerance, wandb_log=not args.no_wandb)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
