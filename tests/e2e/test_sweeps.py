@@ -1,0 +1,150 @@
+"""Sweeps through the real CLI: W&B runs grouped per sweep, launchers, the comparison at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.test_cli import cli
+from tests.helpers import read_metrics, read_wandb_records
+
+pytestmark = pytest.mark.slow
+MLP = [
+    "model=mlp",
+    "dataset.num_samples=1024",
+    "trainer.max_steps=12",
+    "trainer.progress_bar=false",
+]
+
+
+def _wandb_run(job_dir):
+    files = list(job_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    records = read_wandb_records(files[0])
+    run = next(r.run for r in records if r.HasField("run"))
+    history = [
+        {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in records
+        if r.HasField("history")
+    ]
+    summary = {}
+    for r in records:
+        if r.HasField("summary"):
+            for item in r.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    return run, history, summary, config
+
+
+def test_precision_sweep_logs_one_grouped_wandb_run_per_job_and_compares(tmp_path):
+    sweep = tmp_path / "multirun" / "a"
+    proc = cli("-m", "precision=fp32,fp16,bf16", *MLP, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    runs = [_wandb_run(sweep / str(i)) for i in range(3)]
+    assert {r.run_group for r, *_ in runs} == {"multirun-a"}
+    assert [r.display_name for r, *_ in runs] == ["mlp-fp32", "mlp-fp16", "mlp-bf16"]
+    for i, (run, history, summary, config) in enumerate(runs):
+        assert config["precision"]["mode"] == ["fp32", "fp16", "bf16"][i]
+        assert config["trainer"]["max_steps"] == 12 and config["choices"]["model"] == "mlp"
+        rows = read_metrics(sweep / str(i))
+        assert [h["step"] for h in history] == [r["step"] for r in rows]
+        assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in rows])
+        assert {
+            "grad_norm",
+            "loss_scale",
+            "skipped",
+            "skipped_total",
+            "lr",
+            "samples_per_s",
+        } <= set(history[0])
+        assert summary["skipped_steps"] == 0 and summary["precision"] == config["precision"]["mode"]
+    assert "wandb sync" in proc.stderr
+    report = json.loads((sweep / "compare.json").read_text())
+    assert [r["precision"] for r in report] == ["fp32", "fp16", "bf16"]
+    assert (sweep / "compare.png").stat().st_size > 10_000 and "verdict" in proc.stdout
+    # The comparison is logged to the sweep's group too.
+    compare_runs = list(sweep.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(compare_runs) == 1
+    records = read_wandb_records(compare_runs[0])
+    run = next(r.run for r in records if r.HasField("run"))
+    assert run.run_group == "multirun-a" and run.job_type == "compare"
+
+    second = tmp_path / "multirun" / "b"
+    proc = cli("-m", "precision=fp32,bf16", *MLP, f"hydra.sweep.dir={second}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _wandb_run(second / "0")[0].run_group == "multirun-b"
+
+
+def test_single_run_has_no_group_and_a_name(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("precision=bf16", *MLP, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run, *_ = _wandb_run(out)
+    assert run.run_group == "" and run.display_name == "mlp-bf16"
+
+
+def test_jobs_are_labelled_by_the_overrides_the_sweep_varies(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "precision=fp32,bf16",
+        *MLP,
+        "trainer.max_steps=3,4",
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    labels = [r["label"] for r in json.loads((sweep / "compare.json").read_text())]
+    assert labels == [
+        "fp32 max_steps=3",
+        "fp32 max_steps=4",
+        "bf16 max_steps=3",
+        "bf16 max_steps=4",
+    ]
+
+
+def test_a_failed_job_does_not_stop_the_sweep_but_fails_the_command(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "trainer.device=cuda:7,cpu",
+        *MLP,
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "error: job 0 failed: trainer.device=cuda:7 but" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    report = json.loads((sweep / "compare.json").read_text())
+    assert [r["status"] for r in report] == ["failed", "completed"]
+    assert report[0]["verdict"].startswith("failed: trainer.device=cuda:7")
+    assert len(read_metrics(sweep / "1")) == 12
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_parallel_and_submitit_launchers(tmp_path, launcher):
+    sweep = tmp_path / "sweep"
+    extra = (
+        ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else ["hydra.launcher.timeout_min=5"]
+    )
+    proc = cli(
+        "-m",
+        f"hydra/launcher={launcher}",
+        *extra,
+        "precision=fp32,bf16",
+        *MLP,
+        "logger=none",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(2)]
+    assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
+    assert all(s["status"] == "completed" and s["steps"] == 12 for s in summaries)
+    assert (sweep / "compare.md").exists()
