@@ -47,7 +47,7 @@ def test_precision_sweep_logs_one_grouped_wandb_run_per_job_and_compares(tmp_pat
     runs = [_wandb_run(sweep / str(i)) for i in range(3)]
     assert {r.run_group for r, *_ in runs} == {"multirun-a"}
     assert [r.display_name for r, *_ in runs] == ["mlp-fp32", "mlp-fp16", "mlp-bf16"]
-    for i, (run, history, summary, config) in enumerate(runs):
+    for i, (_, history, summary, config) in enumerate(runs):
         assert config["precision"]["mode"] == ["fp32", "fp16", "bf16"][i]
         assert config["trainer"]["max_steps"] == 12 and config["choices"]["model"] == "mlp"
         rows = read_metrics(sweep / str(i))
