@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from runner import console
 from runner.errors import UserError
 
 TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence"
@@ -316,11 +318,7 @@ def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> No
     logger = next((j.config.get("logger") for j in jobs if j.config.get("logger")), None)
     if not logger or logger.get("backend") != "wandb" or logger.get("mode") == "disabled":
         return
-    import os
-
     import wandb
-
-    from runner import console
 
     group = logger.get("group") or f"{sweep_dir.resolve().parent.name}-{sweep_dir.resolve().name}"
     try:

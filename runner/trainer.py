@@ -133,6 +133,7 @@ class Trainer:
         step is given the interval's mean step time: exact on any device, with no per-step sync."""
         values = torch.stack([torch.stack((r["loss"], r["grad_norm"])) for r in pending]).tolist()
         step_time = (time.perf_counter() - interval_start) / len(pending)
+        memory = peak_memory_mb(self.device)
         rows = []
         for r, (loss, grad_norm) in zip(pending, values, strict=True):
             samples, tokens = r.pop("samples"), r.pop("tokens")
@@ -144,6 +145,7 @@ class Trainer:
                     "step_time_s": step_time,
                     "samples_per_s": samples / step_time,
                     "tokens_per_s": tokens / step_time,
+                    "peak_memory_mb": memory,
                 }
             )
         return rows
@@ -179,6 +181,7 @@ class Trainer:
             "final_grad_norm": last["grad_norm"],
             "final_loss_scale": self.precision.loss_scale,
             **({k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}),
+            **({"best_eval_loss": min(r["eval_loss"] for r in evals)} if evals else {}),
             "samples_per_s": steady_median([r["samples_per_s"] for r in self.rows], warmup),
             "tokens_per_s": steady_median([r["tokens_per_s"] for r in self.rows], warmup),
             "step_time_s": steady_median([r["step_time_s"] for r in self.rows], warmup),
