@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from runner.cli import fail, is_multirun, preflight, sweep_keys
 from runner.compare import CompareCallback
-from runner.errors import UserError
+from runner.errors import Preempted, UserError
 from runner.tracking import SWEEP_KEYS_ENV
 
 
@@ -22,6 +22,9 @@ def job(cfg: DictConfig) -> float | None:
 
     try:
         return run(cfg)["final_loss"]
+    except Preempted as e:  # stops a sweep too: the cluster wants the machine back
+        print(f"{e}; continue with trainer.resume=auto", file=sys.stderr)
+        sys.exit(e.exit_code)
     except Exception as e:
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             if isinstance(e, UserError):

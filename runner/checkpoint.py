@@ -1,13 +1,20 @@
-"""Saving and loading checkpoints: atomic writes, and loads that never run pickled code."""
+"""Saving and resuming: atomic writes, loads that never run pickled code, RNG states, and finding
+the checkpoint to resume from."""
 
 from __future__ import annotations
 
 import os
+import random
+import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from runner import console
 from runner.errors import UserError
+
+STEP_FILE = re.compile(r"step-(\d+)\.pt")
 
 
 def save(path: Path, state: dict) -> None:
@@ -21,16 +28,88 @@ def save(path: Path, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(
+            f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def load(path: Path) -> dict:
-    """`weights_only=True`: tensors, numbers, strings and containers only."""
+    """`weights_only=True`: tensors, numbers, strings and containers only; a pickled payload is
+    refused, never run."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint not found: {path}") from None
     except Exception as e:  # a truncated zip, or a payload weights_only refuses
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"checkpoint {path} cannot be loaded safely: {first}") from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
+        raise UserError(f"checkpoint {path} is not an amp-runner checkpoint")
+    return state
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Keep the newest `keep` step-N.pt files."""
+    steps = sorted(
+        (int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := STEP_FILE.fullmatch(p.name))
+    )
+    for _, path in steps[:-keep]:
+        path.unlink(missing_ok=True)
+
+
+def find_resume(spec: str | None, run_dir: Path) -> tuple[Path, dict] | None:
+    """`auto`: the newest checkpoint in the run directory that loads (a damaged one is skipped
+    with a warning), or None for a fresh start. A path: that checkpoint, or an error."""
+    if not spec:
+        return None
+    if spec != "auto":
+        path = Path(spec).expanduser()
+        return path, load(path)
+    folder = run_dir / "checkpoints"
+    candidates = [
+        p for p in folder.glob("*.pt") if p.name == "last.pt" or STEP_FILE.fullmatch(p.name)
+    ]
+    loaded = []
+    for path in candidates:
+        try:
+            loaded.append((path, load(path)))
+        except UserError as e:
+            console.say(f"[yellow]warning:[/] skipping {path.name}: {e}")
+    if not loaded:
+        return None
+    return max(loaded, key=lambda item: (item[1]["step"], item[0].name == "last.pt"))
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -111,5 +111,6 @@ def preflight(args: list[str]) -> None:
 
 
 def fail(error: UserError) -> None:
+    """One line on stderr, then exit: 2 for bad input, 1 for a run that stopped itself."""
     print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(getattr(error, "exit_code", 2))

@@ -182,8 +182,10 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             f["health"] = "diverged"
             job.verdict = "diverged: the loss became inf/NaN — not recommended"
         elif steps and skipped / steps > MAX_SKIPPED_SHARE:
-            f["health"] = "overflow"
-            job.verdict = f"overflowed: {skipped} of {steps} steps skipped — not recommended"
+            # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
+            f["health"] = "overflow" if job.precision == "fp16" else "diverged"
+            what = "overflowed" if job.precision == "fp16" else "diverged"
+            job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
         elif base is not None and f["final_loss_gap"] > tolerance:
             f["health"] = "worse"
             job.verdict = f"loss {f['final_loss_gap']:+.1%} vs fp32 — not recommended"

@@ -45,6 +45,9 @@ class TrainerConfig:
     val_check_interval: int = 100
     limit_val_batches: int = 10
     checkpoint_every_n_steps: int = 0
+    keep_last_k: int = 3  # step-N.pt files kept (last.pt always)
+    resume: str | None = None  # null | auto | path/to/checkpoint.pt
+    max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
     progress_bar: bool = True
 
@@ -106,6 +109,13 @@ def validate(cfg: DictConfig) -> None:
     )
     _require(
         t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1"
+    )
+    _require(t.keep_last_k >= 1, "trainer.keep_last_k", t.keep_last_k, "must be ≥ 1")
+    _require(
+        t.max_consecutive_nonfinite >= 1,
+        "trainer.max_consecutive_nonfinite",
+        t.max_consecutive_nonfinite,
+        "must be ≥ 1",
     )
     for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")

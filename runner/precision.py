@@ -159,8 +159,12 @@ class Precision:
         parameters: Iterable[torch.Tensor],
         clip_val: float | None,
         clip_algorithm: str = "norm",
+        loss: torch.Tensor | None = None,
     ) -> StepResult:
-        """unscale_ (once per optimizer) → grad norm → clip → step → update (once)."""
+        """unscale_ (once per optimizer) → grad norm → clip → step → update (once).
+
+        A step with inf/NaN gradients (or loss) changes no weight: fp16's scaler skips it; the
+        other modes check one flag per optimizer step (the same host read the scaler does)."""
         params = [p for p in parameters if p.grad is not None]
         if self.scaler:
             for opt in optimizers:
@@ -180,9 +184,14 @@ class Precision:
             # update() backs the scale off exactly when it found inf/NaN, i.e. the step was skipped.
             skipped = self.scaler.get_scale() < loss_scale
         else:
-            for opt in optimizers:
-                opt.step()
-            loss_scale, skipped = 1.0, False
+            finite = torch.isfinite(grad_norm)
+            if loss is not None:
+                finite &= torch.isfinite(loss)
+            skipped = not bool(finite)
+            if not skipped:
+                for opt in optimizers:
+                    opt.step()
+            loss_scale = 1.0
         return StepResult(grad_norm.detach(), skipped, loss_scale)
 
     @property

@@ -12,11 +12,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from runner import console
+from runner import checkpoint, console
 from runner.config import validate
-from runner.errors import UserError
+from runner.errors import Preempted, UserError
 from runner.optim import build_optimizer, build_scheduler
 from runner.precision import DeviceCaps, Precision
 from runner.task import DataModule, Task
@@ -89,7 +89,13 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     directory; return the summary. A failed run still leaves a summary.json that says why."""
     validate(cfg)
     out = output_dir(out_dir)
-    log = RunLog(out, open_tracker(cfg, out))
+    resume = checkpoint.find_resume(cfg.trainer.resume, out)
+    state = resume[1] if resume else None
+    log = RunLog(
+        out,
+        open_tracker(cfg, out, state.get("wandb_run_id") if state else None),
+        resume_step=state["step"] if state else None,
+    )
     summary: dict = {"status": "running"}
     precision = trainer = None
     try:
@@ -115,6 +121,13 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         optimizer = build_optimizer(cfg.optim, task)
         scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
         trainer = Trainer(cfg.trainer, task, data, precision, optimizer, scheduler, log, device)
+        trainer.extra_state = {
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "wandb_run_id": log.tracker.run_id if log.tracker else None,
+        }
+        if state is not None:
+            trainer.load_state_dict(state)
+            console.say(f"resumed from {resume[0]} at step {trainer.step}")
         summary |= {
             "task": type(task).__name__,
             "parameters": sum(p.numel() for p in task.parameters()),
@@ -124,11 +137,17 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         summary |= trainer.fit()
         summary["status"] = "completed"
     except BaseException as e:
-        summary["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        summary["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        status, code = {
+            KeyboardInterrupt: ("interrupted", 130),
+            Preempted: ("preempted", Preempted.exit_code),
+        }.get(type(e), ("failed", 1))
+        summary |= {
+            "status": status,
+            "error": (str(e).strip().splitlines() or [type(e).__name__])[0],
+        }
         if trainer is not None:
             summary["steps"] = trainer.step
-        log.finish(summary, exit_code=130 if isinstance(e, KeyboardInterrupt) else 1)
+        log.finish(summary, exit_code=code)
         raise
     finally:
         if precision is not None:

@@ -93,7 +93,9 @@ class DataModule(ABC):
             batch_size=None,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=False,
+            # Its own generator: a loader draws a seed when iterated, and drawing it from the
+            # global RNG would shift dropout's stream between a run and its resumption.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def train_loader(self, start_sample: int = 0) -> DataLoader:

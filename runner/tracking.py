@@ -58,7 +58,7 @@ def type_name(node: DictConfig) -> str:
 class WandbTracker:
     """One W&B run per job, in the run directory; every series plotted against `step`."""
 
-    def __init__(self, cfg: DictConfig, out_dir: Path):
+    def __init__(self, cfg: DictConfig, out_dir: Path, run_id: str | None = None):
         import wandb
 
         lg = cfg.logger
@@ -76,11 +76,17 @@ class WandbTracker:
             config=config,
             dir=str(out_dir),
             mode=os.environ.get("WANDB_MODE", lg.mode),
+            id=run_id,  # a resumed run continues its W&B run
+            resume="allow" if run_id else None,
             reinit="finish_previous",
             settings=wandb.Settings(init_timeout=lg.init_timeout_s, silent=True, console="off"),
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
 
     @property
     def offline_dir(self) -> str | None:
@@ -99,11 +105,25 @@ class RunLog:
     """One run's metrics. Rows are written (and flushed) as they come, so a crash loses nothing
     that was logged; the tracker gets the same rows."""
 
-    def __init__(self, out_dir: Path, tracker: WandbTracker | None = None):
+    def __init__(
+        self, out_dir: Path, tracker: WandbTracker | None = None, resume_step: int | None = None
+    ):
+        """`resume_step`: keep the rows up to that step (written before the checkpoint a run
+        resumes from) and drop later ones, so the file has no duplicates and no gaps."""
         self.out_dir = out_dir
         self.tracker = tracker
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(out_dir / "metrics.jsonl", "w", encoding="utf-8")
+        path = out_dir / "metrics.jsonl"
+        self.previous_rows: list[dict] = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                row = json.loads(line) if line.strip() else None
+                if row is not None and row["step"] <= resume_step:
+                    self.previous_rows.append(row)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(dumps(r) + "\n" for r in self.previous_rows))
+        os.replace(tmp, path)
+        self._metrics = open(path, "a", encoding="utf-8")
 
     def log_rows(self, rows: list[dict]) -> None:
         for row in rows:
@@ -137,12 +157,12 @@ class RunLog:
             )
 
 
-def open_tracker(cfg: DictConfig, out_dir: Path) -> WandbTracker | None:
+def open_tracker(cfg: DictConfig, out_dir: Path, run_id: str | None = None) -> WandbTracker | None:
     """The configured tracker, or None (with a warning) when it cannot start."""
     if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled":
         return None
     try:
-        return WandbTracker(cfg, out_dir)
+        return WandbTracker(cfg, out_dir, run_id)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         console.say(f"[yellow]warning:[/] W&B did not start ({first}); metrics.jsonl is complete")

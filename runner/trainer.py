@@ -1,17 +1,24 @@
-"""The training loop: accumulation windows, logging at intervals, evaluation, checkpoints."""
+"""The training loop: accumulation windows, logging at intervals, evaluation, checkpoints,
+preemption signals, and stopping on persistent non-finite values."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 
 import torch
 
-from runner import checkpoint
+from runner import checkpoint, console, diagnostics
 from runner.console import ProgressBar
+from runner.errors import Preempted, TrainingStopped, UserError
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import peak_memory_mb, steady_median
 from runner.tracking import RunLog
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Trainer:
@@ -32,7 +39,11 @@ class Trainer:
         self.step = 0
         self.samples_seen = 0
         self.skipped_steps = 0
-        self.rows: list[dict] = []  # every row logged, for the summary
+        self.consecutive_skipped = 0
+        self.rows: list[dict] = list(log.previous_rows)  # every row logged, for the summary
+        self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
+        self.nonfinite_report: dict | None = None
+        self._signal: str | None = None
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -52,7 +63,7 @@ class Trainer:
             total += loss.detach().float()
         clip = self.cfg.gradient_clip_val
         result = self.precision.step(
-            [self.optimizer], self.params, clip, self.cfg.gradient_clip_algorithm
+            [self.optimizer], self.params, clip, self.cfg.gradient_clip_algorithm, loss=total
         )
         if not result.skipped:  # a skipped step leaves the schedule where it was
             self.scheduler.step()
@@ -83,7 +94,7 @@ class Trainer:
         pending: list[dict] = []
         self.task.train()
         started = interval_start = time.perf_counter()
-        with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar:
+        with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar, self._preemption_signals():
             while self.step < cfg.max_steps:
                 window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -92,6 +103,7 @@ class Trainer:
                 samples = sum(len(next(iter(b.values()))) for b in window)
                 self.samples_seen += samples
                 self.skipped_steps += result.skipped
+                self.consecutive_skipped = self.consecutive_skipped + 1 if result.skipped else 0
                 pending.append(
                     {
                         "step": self.step,
@@ -105,6 +117,10 @@ class Trainer:
                         "tokens": sum(self.task.num_tokens(b) for b in window),
                     }
                 )
+                trouble = result.skipped and (
+                    self.nonfinite_report is None
+                    or self.consecutive_skipped >= cfg.max_consecutive_nonfinite
+                )
                 last = self.step == cfg.max_steps
                 eval_due = cfg.val_check_interval > 0 and (
                     self.step % cfg.val_check_interval == 0 or last
@@ -112,7 +128,8 @@ class Trainer:
                 ckpt_due = cfg.checkpoint_every_n_steps > 0 and (
                     self.step % cfg.checkpoint_every_n_steps == 0
                 )
-                if self.step % cfg.log_every_n_steps and not (last or eval_due or ckpt_due):
+                flush = not self.step % cfg.log_every_n_steps or last or eval_due or ckpt_due
+                if not (flush or trouble or self._signal):
                     continue
                 rows = self._finish_interval(pending, interval_start)
                 pending = []
@@ -123,10 +140,64 @@ class Trainer:
                 bar.update(
                     self.step, rows[-1]["loss"], rows[-1]["loss_scale"], rows[-1]["samples_per_s"]
                 )
-                if ckpt_due or last:
+                if trouble:
+                    self._on_nonfinite(window, rows[-1])
+                if ckpt_due or last or self._signal:
                     self.save_checkpoint(step_file=ckpt_due)
+                if self._signal:
+                    raise Preempted(self._signal, self.step)
                 interval_start = time.perf_counter()
         return self.summary(time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def _preemption_signals(self):
+        """SIGTERM/SIGUSR1 (cluster preemption) finish the current step, then checkpoint."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+
+            def handle(signum, _frame):
+                self._signal = signal.Signals(signum).name
+
+            previous = {sig: signal.signal(sig, handle) for sig in PREEMPTION_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_nonfinite(self, window: list[Batch], row: dict) -> None:
+        """First non-finite step: write nonfinite.json. Too many in a row: stop the run."""
+        path = self.log.out_dir / "nonfinite.json"
+        if self.nonfinite_report is None:
+            info = {
+                "step": self.step,
+                "precision": self.precision.mode,
+                "samples": [
+                    self.samples_seen - sum(len(next(iter(b.values()))) for b in window),
+                    self.samples_seen,
+                ],
+                "loss": row["loss"],
+                "grad_norm": row["grad_norm"],
+                "loss_scale": row["loss_scale"],
+                "loss_scale_history": [
+                    (r["step"], r["loss_scale"], r["skipped"]) for r in self.rows[-20:]
+                ],
+            }
+            report = diagnostics.replay(
+                self.task, self.precision, window, self._to_device, row["loss_scale"]
+            )
+            self.nonfinite_report = diagnostics.write_report(
+                path, info, report, self.precision.mode
+            )
+            first = self.nonfinite_report["forward"]["first_nonfinite"]
+            where = f", first in the forward pass at {first}" if first else ""
+            console.say(f"[yellow]non-finite values at step {self.step}{where}; report: {path}[/]")
+        if self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite:
+            raise TrainingStopped(
+                f"training stopped at step {self.step}: {self.consecutive_skipped} steps in a row had "
+                f"non-finite loss or gradients (loss scale {row['loss_scale']:g}); "
+                f"{self.nonfinite_report['hint']}; see {path}"
+            )
 
     def _finish_interval(self, pending: list[dict], interval_start: float) -> list[dict]:
         """Read the interval's device values in one transfer (the only sync), then time it. Each
@@ -159,14 +230,42 @@ class Trainer:
             "step": self.step,
             "samples_seen": self.samples_seen,
             "skipped_steps": self.skipped_steps,
+            "consecutive_skipped": self.consecutive_skipped,
             "precision": self.precision.mode,
+            "rng": checkpoint.rng_state(),
+            **self.extra_state,
         }
 
+    def load_state_dict(self, state: dict) -> None:
+        """Everything a checkpoint holds, so the run continues bit for bit."""
+        try:
+            self.task.load_state_dict(state["model"])
+        except RuntimeError as e:
+            mismatch = next(
+                (
+                    line.strip()
+                    for line in str(e).splitlines()
+                    if "size mismatch" in line or "Missing" in line or "Unexpected" in line
+                ),
+                str(e).splitlines()[0],
+            )
+            raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skipped = state.get("consecutive_skipped", 0)
+        checkpoint.set_rng_state(state["rng"])
+
     def save_checkpoint(self, step_file: bool) -> None:
+        if not all(torch.isfinite(p).all() for p in self.params):
+            raise TrainingStopped(f"refusing to checkpoint non-finite weights at step {self.step}")
         folder = self.log.out_dir / "checkpoints"
         state = self.state_dict()
         if step_file:
             checkpoint.save(folder / f"step-{self.step}.pt", state)
+            checkpoint.prune(folder, self.cfg.keep_last_k)
         checkpoint.save(folder / "last.pt", state)
 
     def summary(self, wall_time_s: float) -> dict:

@@ -43,11 +43,12 @@ class BertMLM(Task):
             num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_attention_heads,
             intermediate_size=intermediate_size,
-            initializer_range=initializer_range,
-            layer_norm_eps=layer_norm_eps,
+            # float(): `model.dropout=0` on the command line arrives as an int
+            initializer_range=float(initializer_range),
+            layer_norm_eps=float(layer_norm_eps),
             max_position_embeddings=max_position_embeddings,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
+            hidden_dropout_prob=float(dropout),
+            attention_probs_dropout_prob=float(dropout),
             pad_token_id=PAD_ID,
         )
         config._attn_implementation = attn_implementation

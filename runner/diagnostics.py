@@ -1,0 +1,126 @@
+"""Forensics of a non-finite step: replay it with hooks on every layer and say where the
+inf/NaN first appeared, which gradients overflowed, and what to try."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from runner.precision import Precision
+from runner.task import Batch, Task
+
+FP16_MAX = 65504.0
+
+
+def _stats(value) -> tuple[bool, float] | None:
+    tensors = (
+        [value]
+        if isinstance(value, torch.Tensor)
+        else [
+            v
+            for v in (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, tuple | list)
+                else []
+            )
+            if isinstance(v, torch.Tensor)
+        ]
+    )
+    tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not tensors:
+        return None
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors)
+    largest = max(float(t.detach().abs().float().nan_to_num(nan=math.inf).max()) for t in tensors)
+    return finite, largest
+
+
+def replay(
+    task: Task, precision: Precision, window: list[Batch], to_device, loss_scale: float
+) -> dict:
+    """Forward and backward of `window` again, as the step ran it (same autocast, same scale),
+    recording each leaf module's output and gradients. RNG and gradients are left as found."""
+    leaves = [(n, m) for n, m in task.named_modules() if n and not list(m.children())]
+    forward: list[tuple[str, bool, float]] = []
+    hooks = [
+        m.register_forward_hook(
+            lambda _m, _i, out, name=name: (
+                forward.append((name, *s)) if (s := _stats(out)) else None
+            )
+        )
+        for name, m in leaves
+    ]
+    norm = max(1, sum(task.num_targets(b) for b in window))
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            task.zero_grad(set_to_none=True)
+            for batch in window:
+                with precision.autocast():
+                    loss = task(to_device(batch)) / norm
+                (loss * loss_scale).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = []
+    for name, module in leaves:
+        found = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+        if found:
+            finite, largest = _stats(tuple(found))
+            grads.append((name, finite, largest / loss_scale))
+    task.zero_grad(set_to_none=True)
+    # A module runs several times (e.g. per micro-batch): keep its first appearance.
+    seen: dict[str, tuple[bool, float]] = {}
+    for name, finite, largest in forward:
+        prev = seen.get(name)
+        seen[name] = (
+            finite and (prev[0] if prev else True),
+            max(largest, prev[1] if prev else 0.0),
+        )
+    order = list(seen)
+    bad_forward = [n for n in order if not seen[n][0]]
+    return {
+        "forward": {
+            "first_nonfinite": bad_forward[0] if bad_forward else None,
+            "nonfinite": bad_forward,
+            "largest": sorted(((n, seen[n][1]) for n in order), key=lambda x: -x[1])[:5],
+        },
+        "gradients": {
+            "nonfinite": [n for n, finite, _ in grads if not finite],
+            "largest": sorted(((n, g) for n, _, g in grads), key=lambda x: -x[1])[:5],
+        },
+    }
+
+
+def hint(mode: str, report: dict) -> str:
+    first = report["forward"]["first_nonfinite"]
+    largest = report["forward"]["largest"]
+    if mode == "fp16" and first:
+        return (
+            f"fp16 overflowed in the forward pass at {first} (|x| > {FP16_MAX:g}): try precision=bf16 "
+            f"(fp32's range), keep {first} in fp32, or lower the learning rate if the weights grew"
+        )
+    if mode == "fp16":
+        return (
+            "gradients overflowed fp16 at this loss scale; the scaler backs off by itself, and if it "
+            "keeps failing try precision=bf16 or a lower learning rate"
+        )
+    where = (
+        f" (first at {first})"
+        if first
+        else (f" (largest output: {largest[0][0]})" if largest else "")
+    )
+    return (
+        f"the loss or gradients became non-finite in {mode}{where}: lower the learning rate, clip "
+        "gradients (trainer.gradient_clip_val), or check the data of this step"
+    )
+
+
+def write_report(path: Path, info: dict, report: dict, mode: str) -> dict:
+    full = info | report | {"hint": hint(mode, report)}
+    path.write_text(json.dumps(full, indent=2, default=str) + "\n")
+    return full

@@ -1,0 +1,165 @@
+"""Broken checkpoints, hostile payloads, mismatched configs, full disks, and non-finite values."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from runner import checkpoint
+from runner.errors import TrainingStopped, UserError
+from runner.run import run
+from tests.helpers import TINY_BERT, TINY_MLP, load_last, make_cfg, read_metrics
+
+SHORT = [*TINY_MLP, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2"]
+
+
+@pytest.fixture
+def trained(tmp_path):
+    run(make_cfg(*SHORT), tmp_path)
+    return tmp_path
+
+
+def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
+    summary = run(make_cfg(*SHORT, "trainer.resume=auto"), tmp_path)
+    assert summary["steps"] == 6 and len(read_metrics(tmp_path)) == 6
+
+
+def test_only_the_last_k_step_checkpoints_are_kept(tmp_path):
+    run(
+        make_cfg(
+            *TINY_MLP,
+            "trainer.max_steps=12",
+            "trainer.checkpoint_every_n_steps=2",
+            "trainer.keep_last_k=2",
+        ),
+        tmp_path,
+    )
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-10.pt", "step-12.pt"]
+
+
+def test_a_truncated_checkpoint_is_one_clear_error(trained):
+    path = trained / "checkpoints" / "last.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(UserError, match="cannot be loaded safely"):
+        run(make_cfg(*SHORT, "trainer.max_steps=8", f"trainer.resume={path}"), trained)
+
+
+def test_resume_auto_skips_a_damaged_checkpoint_for_the_newest_valid_one(trained, capsys):
+    (trained / "checkpoints" / "last.pt").write_bytes(b"garbage")
+    (trained / "checkpoints" / "step-6.pt").write_bytes(b"")
+    summary = run(make_cfg(*SHORT, "trainer.max_steps=8", "trainer.resume=auto"), trained)
+    assert "resumed from" in capsys.readouterr().err
+    rows = read_metrics(trained)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and summary["steps"] == 8
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_checkpoint_carrying_code_is_refused_not_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pt"
+    torch.save({"model": _Payload(), "optimizer": {}, "step": 1}, path, pickle_module=pickle)
+    with pytest.raises(UserError, match="cannot be loaded safely"):
+        checkpoint.load(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_resuming_a_different_model_names_the_mismatch(trained):
+    cfg = make_cfg(*SHORT, "model.hidden_size=32", "trainer.resume=auto", "trainer.max_steps=8")
+    with pytest.raises(
+        UserError, match=r"does not fit this model config: .*size mismatch for net\.0\.weight"
+    ):
+        run(cfg, trained)
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(trained, monkeypatch):
+    before = (trained / "checkpoints" / "last.pt").read_bytes()
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    cfg = make_cfg(*SHORT, "trainer.max_steps=10", "trainer.resume=auto")
+    with pytest.raises(
+        UserError, match="No space left on device; the previous checkpoint is intact"
+    ):
+        run(cfg, trained)
+    monkeypatch.undo()
+    assert (trained / "checkpoints" / "last.pt").read_bytes() == before
+    assert not list((trained / "checkpoints").glob(".*tmp"))
+    assert load_last(trained)["step"] == 6
+    assert json.loads((trained / "summary.json").read_text())["status"] == "failed"
+
+
+def test_checkpoints_hold_everything_needed_to_resume(trained):
+    state = load_last(trained)
+    assert {
+        "model",
+        "optimizer",
+        "scaler",
+        "scheduler",
+        "step",
+        "samples_seen",
+        "rng",
+        "config",
+        "wandb_run_id",
+    } <= set(state)
+    assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert state["config"]["trainer"]["max_steps"] == 6
+
+
+def test_fp16_overflow_stops_with_a_report_naming_modules_while_bf16_is_finite(tmp_path):
+    """A BERT initialised with huge weights overflows fp16's range in the forward pass."""
+    big = [
+        *TINY_BERT,
+        "model.initializer_range=300",
+        "trainer.max_steps=30",
+        "trainer.max_consecutive_nonfinite=4",
+        "trainer.log_every_n_steps=1",
+    ]
+    with pytest.raises(TrainingStopped, match="4 steps in a row had non-finite") as err:
+        run(make_cfg(*big, "precision=fp16"), tmp_path / "fp16")
+    assert "try precision=bf16" in str(err.value)
+    report = json.loads((tmp_path / "fp16" / "nonfinite.json").read_text())
+    assert report["step"] == 1 and report["precision"] == "fp16"
+    first = report["forward"]["first_nonfinite"]
+    assert first and first.startswith("model.bert.")
+    assert report["forward"]["largest"][0][1] > 65504 or report["forward"]["nonfinite"]
+    assert report["loss_scale_history"][0][2] is True
+    rows = read_metrics(tmp_path / "fp16")
+    assert len(rows) == 4 and all(r["skipped"] for r in rows)
+    assert not (tmp_path / "fp16" / "checkpoints").exists()
+    bf16 = run(make_cfg(*big, "precision=bf16", "trainer.max_steps=3"), tmp_path / "bf16")
+    assert bf16["skipped_steps"] == 0 and bf16["final_loss"] == bf16["final_loss"]  # finite
+
+
+def test_a_diverging_fp32_run_skips_bad_updates_then_stops_with_a_report(tmp_path):
+    cfg = make_cfg(
+        *TINY_MLP,
+        "optim.optimizer.lr=1e5",
+        "trainer.gradient_clip_val=null",
+        "trainer.max_steps=200",
+        "trainer.max_consecutive_nonfinite=3",
+    )
+    with pytest.raises(TrainingStopped, match="3 steps in a row") as err:
+        run(cfg, tmp_path)
+    assert "lower the learning rate" in str(err.value)
+    rows = read_metrics(tmp_path)
+    first_bad = next(r for r in rows if r["skipped"])
+    report = json.loads((tmp_path / "nonfinite.json").read_text())
+    assert report["step"] == first_bad["step"] and report["precision"] == "fp32"
+    assert report["gradients"]["largest"] or report["forward"]["largest"]
+    assert rows[-1]["skipped_total"] == 3 and [r["skipped"] for r in rows[-3:]] == [True] * 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "steps in a row" in summary["error"]
