@@ -3,7 +3,6 @@ inf/NaN first appeared, which gradients overflowed, and what to try."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from runner.precision import Precision
 from runner.task import Batch, Task
+from runner.tracking import dumps
 
 FP16_MAX = 65504.0
 
@@ -122,5 +122,5 @@ def hint(mode: str, report: dict) -> str:
 
 def write_report(path: Path, info: dict, report: dict, mode: str) -> dict:
     full = info | report | {"hint": hint(mode, report)}
-    path.write_text(json.dumps(full, indent=2, default=str) + "\n")
+    path.write_text(dumps(full, indent=2) + "\n")
     return full

@@ -19,15 +19,19 @@ from runner import console
 SWEEP_KEYS_ENV = "AMP_RUNNER_SWEEP_KEYS"
 
 
-def _jsonable(value):
-    # JSON has no inf/NaN; a diverged loss is written as a string so the file stays valid.
+def jsonable(value):
+    """JSON has no inf/NaN: a diverged loss is written as the string "nan" so files stay valid."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
     return value
 
 
-def dumps(record: dict) -> str:
-    return json.dumps({k: _jsonable(v) for k, v in record.items()})
+def dumps(record: dict, indent: int | None = None) -> str:
+    return json.dumps(jsonable(record), indent=indent)
 
 
 def run_identity(cfg: DictConfig) -> tuple[str | None, str]:
@@ -144,9 +148,7 @@ class RunLog:
         """Write summary.json and finish the tracker run (with the exit code, on failure too)."""
         if not self._metrics.closed:
             self._metrics.close()
-        (self.out_dir / "summary.json").write_text(
-            json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
-        )
+        (self.out_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")
         offline_dir = self.tracker.offline_dir if self.tracker else None
         self._to_tracker("finish", summary, exit_code)
         if offline_dir:

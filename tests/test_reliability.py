@@ -135,7 +135,7 @@ def test_fp16_overflow_stops_with_a_report_naming_modules_while_bf16_is_finite(t
     assert report["step"] == 1 and report["precision"] == "fp16"
     first = report["forward"]["first_nonfinite"]
     assert first and first.startswith("model.bert.")
-    assert report["forward"]["largest"][0][1] > 65504 or report["forward"]["nonfinite"]
+    assert float(report["forward"]["largest"][0][1]) > 65504  # JSON writes inf as "inf"
     assert report["loss_scale_history"][0][2] is True
     rows = read_metrics(tmp_path / "fp16")
     assert len(rows) == 4 and all(r["skipped"] for r in rows)

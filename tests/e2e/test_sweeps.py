@@ -148,3 +148,52 @@ def test_parallel_and_submitit_launchers(tmp_path, launcher):
     assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
     assert all(s["status"] == "completed" and s["steps"] == 12 for s in summaries)
     assert (sweep / "compare.md").exists()
+
+
+def test_amp_check_runs_the_50_step_check_in_each_precision(tmp_path):
+    sweep = tmp_path / "check"
+    proc = cli(
+        "experiment=amp_check",
+        "model=mlp",
+        "dataset.num_samples=1024",
+        "logger=none",
+        "trainer.progress_bar=false",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((sweep / "compare.json").read_text())
+    assert [r["precision"] for r in report] == ["fp32", "fp16", "bf16"]
+    assert all(r["steps"] == 50 for r in report)
+    first_losses = {read_metrics(sweep / str(i))[0]["loss"] for i in range(3)}
+    assert max(first_losses) - min(first_losses) < 0.05  # same seed, weights and data order
+
+
+def test_an_unreachable_wandb_is_a_warning_and_loses_no_metric(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    env["HOME"] = str(tmp_path / "home")  # no credentials anywhere
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            *MLP,
+            "logger.mode=online",
+            "logger.init_timeout_s=20",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: W&B did not start" in proc.stderr
+    assert len(read_metrics(out)) == 12
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
