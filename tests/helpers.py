@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -66,3 +68,15 @@ def read_wandb_records(path: Path) -> list:
             records.append(record)
             pending = b""
     return records
+
+
+def cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` in a subprocess, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import TINY_BERT, read_metrics
+from tests.helpers import TINY_BERT, cli, read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-def cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_main_command_writes_every_run_output(tmp_path):

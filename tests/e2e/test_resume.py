@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runner.run import run
-from tests.helpers import TINY_BERT, load_last, make_cfg, read_metrics
+from tests.helpers import TINY_BERT, cli, load_last, make_cfg, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +70,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, mode):
     proc.wait()
     interrupted_at = len(read_metrics(killed))
     assert interrupted_at < 150
-    resumed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            *overrides,
-            "trainer.resume=auto",
-            f"hydra.run.dir={killed}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = cli(*overrides, "trainer.resume=auto", f"hydra.run.dir={killed}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr
 
@@ -115,19 +102,8 @@ def test_sigterm_checkpoints_and_exits_with_the_documented_code(tmp_path):
     assert summary["status"] == "preempted"
     first_run = state["wandb_run_id"]
     assert first_run and list(out.glob(f"wandb/offline-run-*-{first_run}"))
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            *args,
-            f"trainer.max_steps={state['step'] + 3}",
-            "trainer.resume=auto",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    again = cli(
+        *args, f"trainer.max_steps={state['step'] + 3}", "trainer.resume=auto", cwd=tmp_path
     )
     assert again.returncode == 0, again.stderr
     assert len(list(out.glob(f"wandb/offline-run-*-{first_run}"))) == 2  # the same W&B run

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_cli import cli
-from tests.helpers import read_metrics, read_wandb_records
+from tests.helpers import cli, read_metrics, read_wandb_records
 
 pytestmark = pytest.mark.slow
 MLP = [
@@ -171,28 +170,12 @@ def test_amp_check_runs_the_50_step_check_in_each_precision(tmp_path):
 
 def test_an_unreachable_wandb_is_a_warning_and_loses_no_metric(tmp_path):
     import os
-    import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env["HOME"] = str(tmp_path / "home")  # no credentials anywhere
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            *MLP,
-            "logger.mode=online",
-            "logger.init_timeout_s=20",
-            f"hydra.run.dir={out}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = [*MLP, "logger.mode=online", "logger.init_timeout_s=20", f"hydra.run.dir={out}"]
+    proc = cli(*args, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "warning: W&B did not start" in proc.stderr
     assert len(read_metrics(out)) == 12
