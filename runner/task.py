@@ -31,8 +31,12 @@ class Task(nn.Module, ABC):
         return self.num_targets(batch)
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Metric sums over the batch's targets; evaluation divides them by the target count."""
+        """Metric sums over the batch's targets, added up over the evaluation batches."""
         return {"loss": self(batch)}
+
+    def eval_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        """The metrics from the summed `eval_sums` and the number of targets: means by default."""
+        return {key: value / max(count, 1) for key, value in totals.items()}
 
 
 def sample_rng(*key: int) -> np.random.Generator:

@@ -85,8 +85,8 @@ class Trainer:
                 for key, value in self.task.eval_sums(self._to_device(batch)).items():
                     sums[key] = sums.get(key, 0) + value.float()
         self.task.train()
-        values = torch.stack(list(sums.values())).div(max(count, 1)).tolist()
-        return {f"eval_{key}": v for key, v in zip(sums, values, strict=True)}
+        totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
+        return {f"eval_{key}": v for key, v in self.task.eval_metrics(totals, count).items()}
 
     def fit(self) -> dict:
         cfg = self.cfg

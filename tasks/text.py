@@ -81,6 +81,7 @@ class TextCorpus(DataModule):
     of a sample is fixed by (seed, epoch, index), never by batch size or resume point."""
 
     kind = "text"
+    objective = "mlm"  # a causal LM asks for "causal": labels are the tokens, nothing masked
 
     def __init__(
         self,
@@ -148,8 +149,13 @@ class TextCorpus(DataModule):
     def split_size(self, split: str) -> int:
         return len(self.splits[split]) if split in self.splits else 0
 
+    def use_objective(self, objective: str) -> None:
+        self.objective = objective
+
     def collate(self, split: str, keys: list[tuple[int, int, int]]) -> Batch:
         ids = np.array(self.splits[split][[k[2] for k in keys]]["input_ids"], dtype=np.int64)
+        if self.objective == "causal":
+            return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(ids.copy())}
         labels = np.full_like(ids, IGNORE_INDEX)
         for row, key in zip(range(len(ids)), keys, strict=True):
             rng = sample_rng(self.seed, *key)

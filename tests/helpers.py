@@ -80,3 +80,15 @@ def cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess
         text=True,
         timeout=300,
     )
+
+
+def unigram_entropy(data) -> float:
+    """Entropy (nats) of the training tokens' unigram distribution: the loss of a model that
+    ignores context."""
+    import numpy as np
+
+    counts = torch.bincount(
+        torch.from_numpy(np.asarray(data.splits["train"]["input_ids"])).flatten()
+    )
+    p = counts[counts > 0].double() / counts.sum()
+    return float(-(p * p.log()).sum())

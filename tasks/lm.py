@@ -1,0 +1,67 @@
+"""Causal language modelling: a GPT-2 built from a `GPT2Config` (nothing downloaded)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from runner.errors import UserError
+from runner.task import Batch, DataModule, Task, require_kind
+
+
+class GPT(Task):
+    def __init__(
+        self,
+        data: DataModule,
+        n_embd: int,
+        n_layer: int,
+        n_head: int,
+        n_positions: int,
+        dropout: float,
+        initializer_range: float,
+        attn_implementation: str = "sdpa",
+    ):
+        super().__init__()
+        require_kind(data, "text", "gpt")
+        if n_embd % n_head:
+            raise UserError(
+                f"model.n_embd={n_embd} is invalid: must be a multiple of model.n_head={n_head}"
+            )
+        if data.seq_len > n_positions:
+            raise UserError(
+                f"dataset.seq_len={data.seq_len} is invalid: must be ≤ model.n_positions={n_positions}"
+            )
+        data.use_objective("causal")
+        config = GPT2Config(
+            vocab_size=data.vocab_size,
+            n_positions=n_positions,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            resid_pdrop=float(dropout),
+            embd_pdrop=float(dropout),
+            attn_pdrop=float(dropout),
+            initializer_range=float(initializer_range),
+        )
+        config._attn_implementation = attn_implementation
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+        return F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum"
+        )
+
+    def num_targets(self, batch: Batch) -> int:
+        ids = batch["input_ids"]
+        return ids.shape[0] * (ids.shape[1] - 1)
+
+    def num_tokens(self, batch: Batch) -> int:
+        return batch["input_ids"].numel()
+
+    def eval_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        loss = totals["loss"] / max(count, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
