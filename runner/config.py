@@ -33,6 +33,9 @@ class PrecisionConfig:
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
     # Run bf16/fp16/tf32 even where the device only emulates it (slow; the numbers mislead).
     allow_emulated: bool = False
+    # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
+    # their inputs cast to fp32: for sensitive layers and ops that only support fp32.
+    fp32_modules: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -149,6 +149,33 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
+    def keep_fp32(self, model: torch.nn.Module, names: Sequence[str]) -> None:
+        """fp32 islands: the named submodules run with autocast disabled and their floating
+        inputs cast to fp32. Nothing to do where nothing is autocast."""
+        modules = dict(model.named_modules())
+        for name in names:
+            if name not in modules:
+                known = ", ".join(n for n in list(modules)[1:6])
+                raise UserError(
+                    f"precision.fp32_modules: the model has no module {name!r} (names look like: {known}, ...)"
+                )
+            if self.dtype is not None:
+                modules[name].register_forward_pre_hook(self._enter_fp32, with_kwargs=True)
+                modules[name].register_forward_hook(self._exit_fp32, always_call=True)
+
+    def _enter_fp32(self, module, args, kwargs):
+        island = torch.autocast(device_type=self.device.type, enabled=False)
+        island.__enter__()
+        module.__dict__.setdefault("_fp32_islands", []).append(island)
+
+        def cast(x):
+            return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def _exit_fp32(self, module, args, output):
+        module.__dict__["_fp32_islands"].pop().__exit__(None, None, None)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Outside autocast. Called once per micro-batch; the scale is the same for all of them."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()

@@ -117,6 +117,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         seed_everything(cfg.seed)
         data, task = build(cfg)
         task.to(device)
+        precision.keep_fp32(task, cfg.precision.fp32_modules)
         reset_peak_memory(device)
         optimizer = build_optimizer(cfg.optim, task)
         scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)

@@ -10,6 +10,7 @@ from torch import nn
 
 from runner.errors import UserError
 from runner.task import Batch, DataModule, Task, require_kind
+from tasks.ops import Fp32Softplus
 
 
 class Blobs(DataModule):
@@ -57,13 +58,29 @@ class Blobs(DataModule):
 
 
 class MLPClassifier(Task):
-    def __init__(self, data: DataModule, hidden_size: int, num_layers: int, dropout: float):
+    def __init__(
+        self,
+        data: DataModule,
+        hidden_size: int,
+        num_layers: int,
+        dropout: float,
+        activation: str = "gelu",
+    ):
         super().__init__()
         require_kind(data, "vectors", "mlp")
+        activations = {"gelu": nn.GELU, "fp32_softplus": Fp32Softplus}
+        if activation not in activations:
+            raise UserError(
+                f"model.activation={activation!r} is invalid: allowed: {', '.join(activations)}"
+            )
         layers: list[nn.Module] = []
         width = data.num_features
         for _ in range(num_layers):
-            layers += [nn.Linear(width, hidden_size), nn.GELU(), nn.Dropout(dropout)]
+            layers += [
+                nn.Linear(width, hidden_size),
+                activations[activation](),
+                nn.Dropout(dropout),
+            ]
             width = hidden_size
         layers.append(nn.Linear(width, data.num_classes))
         self.net = nn.Sequential(*layers)

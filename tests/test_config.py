@@ -14,7 +14,10 @@ from tests.helpers import make_cfg
     "args, message",
     [
         (["precision=fp8"], "unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
-        (["model=gpt9"], "unknown model 'gpt9': choose from bert, bert_base, gpt, gpt2, mlp, resnet"),
+        (
+            ["model=gpt9"],
+            "unknown model 'gpt9': choose from bert, bert_base, gpt, gpt2, mlp, resnet",
+        ),
         (["-m", "precision=fp32,fp7"], "unknown precision 'fp7'"),
         (
             ["trainer.accumulate_grad_batches=0"],
