@@ -11,9 +11,8 @@ from torch import nn
 from runner.errors import UserError
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """Weight decay on weight matrices only: biases and norm scales are left alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2]},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -46,3 +45,10 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, max_steps, s.warmup_steps, s.decay, s.min_lr_ratio)
     )
+
+
+def build_optimizers(cfg, task, max_steps: int) -> tuple[dict, dict]:
+    """One optimizer and one schedule per parameter group of the task (a GAN has two)."""
+    optimizers = {name: build_optimizer(cfg, params) for name, params in task.parameter_groups().items()}
+    schedulers = {name: build_scheduler(cfg, opt, max_steps) for name, opt in optimizers.items()}
+    return optimizers, schedulers

@@ -176,9 +176,10 @@ class Precision:
     def _exit_fp32(self, module, args, output):
         module.__dict__["_fp32_islands"].pop().__exit__(None, None, None)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Outside autocast. Called once per micro-batch; the scale is the same for all of them."""
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, losses: Sequence[torch.Tensor]) -> None:
+        """Outside autocast, once per micro-batch; each loss is scaled by the same factor."""
+        for loss in losses:
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(
         self,
@@ -190,8 +191,8 @@ class Precision:
     ) -> StepResult:
         """unscale_ (once per optimizer) → grad norm → clip → step → update (once).
 
-        A step with inf/NaN gradients (or loss) changes no weight: fp16's scaler skips it; the
-        other modes check one flag per optimizer step (the same host read the scaler does)."""
+        A step with inf/NaN gradients (or loss) changes no weight, in any optimizer: one flag is
+        read per optimizer step (GradScaler reads the same one per optimizer anyway)."""
         params = [p for p in parameters if p.grad is not None]
         if self.scaler:
             for opt in optimizers:
@@ -203,22 +204,19 @@ class Precision:
                 torch.nn.utils.clip_grads_with_norm_(params, clip_val, grad_norm, foreach=True)
             else:
                 torch.nn.utils.clip_grad_value_(params, clip_val, foreach=True)
-        if self.scaler:
+        finite = torch.isfinite(grad_norm)
+        if loss is not None:
+            finite &= torch.isfinite(loss)
+        skipped = not bool(finite)
+        if not skipped:  # all optimizers step, or none: a GAN's two halves skip together
             for opt in optimizers:
-                self.scaler.step(opt)  # syncs once to read its inf check; the reads below are free
-            loss_scale = self.scaler.get_scale()
-            self.scaler.update()
-            # update() backs the scale off exactly when it found inf/NaN, i.e. the step was skipped.
-            skipped = self.scaler.get_scale() < loss_scale
-        else:
-            finite = torch.isfinite(grad_norm)
-            if loss is not None:
-                finite &= torch.isfinite(loss)
-            skipped = not bool(finite)
-            if not skipped:
-                for opt in optimizers:
+                if self.scaler:
+                    self.scaler.step(opt)
+                else:
                     opt.step()
-            loss_scale = 1.0
+        loss_scale = self.loss_scale
+        if self.scaler:
+            self.scaler.update()  # backs the scale off if unscale_ found inf/NaN
         return StepResult(grad_norm.detach(), skipped, loss_scale)
 
     @property

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import checkpoint, console
 from runner.config import validate
 from runner.errors import Preempted, UserError
-from runner.optim import build_optimizer, build_scheduler
+from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
@@ -119,9 +119,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         task.to(device)
         precision.keep_fp32(task, cfg.precision.fp32_modules)
         reset_peak_memory(device)
-        optimizer = build_optimizer(cfg.optim, task)
-        scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
-        trainer = Trainer(cfg.trainer, task, data, precision, optimizer, scheduler, log, device)
+        optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
+        trainer = Trainer(cfg.trainer, task, data, precision, optimizers, schedulers, log, device)
         trainer.extra_state = {
             "config": OmegaConf.to_container(cfg, resolve=True),
             "wandb_run_id": log.tracker.run_id if log.tracker else None,

@@ -18,10 +18,17 @@ Batch = dict[str, torch.Tensor]
 
 class Task(nn.Module, ABC):
     """A model plus its loss. `forward` returns the loss *summed* over the batch's targets, so the
-    engine can normalise over a whole accumulation window (by tokens for token losses)."""
+    engine can normalise over a whole accumulation window (by tokens for token losses).
+
+    A task with several optimizers (a GAN) returns one loss per parameter group, as a dict keyed
+    like `parameter_groups()`, each from its own graph (each is scaled and backpropagated)."""
 
     @abstractmethod
-    def forward(self, batch: Batch) -> torch.Tensor: ...
+    def forward(self, batch: Batch) -> torch.Tensor | dict[str, torch.Tensor]: ...
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """One optimizer per group."""
+        return {"model": [p for p in self.parameters() if p.requires_grad]}
 
     def num_targets(self, batch: Batch) -> int:
         """How many terms `forward` sums; read from the host-side batch, so no device sync."""

@@ -28,13 +28,13 @@ class Trainer:
         task: Task,
         data: DataModule,
         precision: Precision,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        optimizers: dict[str, torch.optim.Optimizer],
+        schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
         log: RunLog,
         device: torch.device,
     ):
         self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
-        self.optimizer, self.scheduler, self.log, self.device = optimizer, scheduler, log, device
+        self.optimizers, self.schedulers, self.log, self.device = optimizers, schedulers, log, device
         self.params = [p for p in task.parameters() if p.requires_grad]
         self.step = 0
         self.samples_seen = 0
@@ -48,27 +48,39 @@ class Trainer:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, window: list[Batch]) -> tuple[torch.Tensor, StepResult]:
+    def train_step(self, window: list[Batch]) -> tuple[dict[str, torch.Tensor], StepResult]:
         """One optimizer step over an accumulation window. Every micro-batch's loss is divided by
         the window's target count (masked tokens for MLM), so k micro-batches of b give the same
-        gradient as one batch of k·b. Returns the window's mean loss (on the device)."""
+        gradient as one batch of k·b. Returns the window's mean losses (on the device): `loss`,
+        and `loss_<group>` for each loss of a multi-optimizer task."""
         # Counted on the host-side batches: no device sync.
         norm = max(1, sum(self.task.num_targets(b) for b in window))
-        total = torch.zeros((), device=self.device)
+        totals: dict[str, torch.Tensor] = {}
         for batch in window:
             batch = self._to_device(batch)
             with self.precision.autocast():
-                loss = self.task(batch) / norm
-            self.precision.backward(loss)
-            total += loss.detach().float()
-        clip = self.cfg.gradient_clip_val
+                losses = self.task(batch)
+                if isinstance(losses, torch.Tensor):
+                    losses = {"loss": losses}
+                losses = {k: v / norm for k, v in losses.items()}
+            self.precision.backward(list(losses.values()))
+            for key, loss in losses.items():
+                totals[key] = totals.get(key, 0) + loss.detach().float()
+        if "loss" not in totals:
+            totals = {f"loss_{k}": v for k, v in totals.items()}
+            totals["loss"] = sum(totals.values())
         result = self.precision.step(
-            [self.optimizer], self.params, clip, self.cfg.gradient_clip_algorithm, loss=total
+            list(self.optimizers.values()),
+            self.params,
+            self.cfg.gradient_clip_val,
+            self.cfg.gradient_clip_algorithm,
+            loss=totals["loss"],
         )
-        if not result.skipped:  # a skipped step leaves the schedule where it was
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total, result
+        for optimizer, scheduler in zip(self.optimizers.values(), self.schedulers.values(), strict=True):
+            if not result.skipped:  # a skipped step leaves the schedule where it was
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        return totals, result
 
     @torch.inference_mode()
     def evaluate(self) -> dict[str, float]:
@@ -97,8 +109,8 @@ class Trainer:
         with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar, self._preemption_signals():
             while self.step < cfg.max_steps:
                 window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
-                lr = self.optimizer.param_groups[0]["lr"]
-                loss, result = self.train_step(window)
+                lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
+                losses, result = self.train_step(window)
                 self.step += 1
                 samples = sum(len(next(iter(b.values()))) for b in window)
                 self.samples_seen += samples
@@ -107,8 +119,7 @@ class Trainer:
                 pending.append(
                     {
                         "step": self.step,
-                        "loss": loss,
-                        "grad_norm": result.grad_norm,
+                        "device_values": losses | {"grad_norm": result.grad_norm},
                         "loss_scale": result.loss_scale,
                         "skipped": result.skipped,
                         "skipped_total": self.skipped_steps,
@@ -202,17 +213,19 @@ class Trainer:
     def _finish_interval(self, pending: list[dict], interval_start: float) -> list[dict]:
         """Read the interval's device values in one transfer (the only sync), then time it. Each
         step is given the interval's mean step time: exact on any device, with no per-step sync."""
-        values = torch.stack([torch.stack((r["loss"], r["grad_norm"])) for r in pending]).tolist()
+        keys = list(pending[0]["device_values"])
+        values = torch.stack([torch.stack([r["device_values"][k] for k in keys]) for r in pending])
+        values = values.tolist()
         step_time = (time.perf_counter() - interval_start) / len(pending)
         memory = peak_memory_mb(self.device)
         rows = []
-        for r, (loss, grad_norm) in zip(pending, values, strict=True):
+        for r, row_values in zip(pending, values, strict=True):
+            r.pop("device_values")
             samples, tokens = r.pop("samples"), r.pop("tokens")
             rows.append(
-                r
+                {"step": r.pop("step"), **dict(zip(keys, row_values, strict=True))}
+                | r
                 | {
-                    "loss": loss,
-                    "grad_norm": grad_norm,
                     "step_time_s": step_time,
                     "samples_per_s": samples / step_time,
                     "tokens_per_s": tokens / step_time,
@@ -224,9 +237,10 @@ class Trainer:
     def state_dict(self) -> dict:
         return {
             "model": self.task.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # One optimizer: its state dict. Several (a GAN): a dict of them by group name.
+            "optimizer": self._by_group(self.optimizers),
             "scaler": self.precision.state_dict()["scaler"],
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self._by_group(self.schedulers),
             "step": self.step,
             "samples_seen": self.samples_seen,
             "skipped_steps": self.skipped_steps,
@@ -250,13 +264,22 @@ class Trainer:
                 str(e).splitlines()[0],
             )
             raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        for key, objects in (("optimizer", self.optimizers), ("scheduler", self.schedulers)):
+            saved = state[key] if len(objects) > 1 else {next(iter(objects)): state[key]}
+            if set(saved) != set(objects):
+                raise UserError(f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task")
+            for name, obj in objects.items():
+                obj.load_state_dict(saved[name])
         self.precision.load_state_dict(state)
-        self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
         checkpoint.set_rng_state(state["rng"])
+
+    @staticmethod
+    def _by_group(objects: dict) -> dict:
+        states = {name: obj.state_dict() for name, obj in objects.items()}
+        return next(iter(states.values())) if len(states) == 1 else states
 
     def save_checkpoint(self, step_file: bool) -> None:
         if not all(torch.isfinite(p).all() for p in self.params):

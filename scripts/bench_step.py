@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner
 from runner.config import validate
-from runner.optim import build_optimizer, build_scheduler
+from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision
 from runner.run import build, resolve_device, seed_everything
 from runner.task import Batch, DataModule, Task
@@ -64,10 +64,9 @@ def runner_step(
     cfg: DictConfig, task: Task, data: DataModule, precision: Precision, log: RunLog
 ) -> Step:
     """A Trainer wired as `runner.run.run` wires it."""
-    optimizer = build_optimizer(cfg.optim, task)
-    scheduler = build_scheduler(cfg.optim, optimizer, cfg.trainer.max_steps)
+    optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
     trainer = Trainer(
-        cfg.trainer, task, data, precision, optimizer, scheduler, log, precision.device
+        cfg.trainer, task, data, precision, optimizers, schedulers, log, precision.device
     )
     return lambda batch: trainer.train_step([batch])
 
