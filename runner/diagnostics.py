@@ -61,7 +61,8 @@ def replay(
             task.zero_grad(set_to_none=True)
             for batch in window:
                 with precision.autocast():
-                    loss = task(to_device(batch)) / norm
+                    out = task(to_device(batch))
+                    loss = (sum(out.values()) if isinstance(out, dict) else out) / norm
                 (loss * loss_scale).backward()
     finally:
         for h in hooks:

@@ -49,6 +49,8 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
 
 def build_optimizers(cfg, task, max_steps: int) -> tuple[dict, dict]:
     """One optimizer and one schedule per parameter group of the task (a GAN has two)."""
-    optimizers = {name: build_optimizer(cfg, params) for name, params in task.parameter_groups().items()}
+    optimizers = {
+        name: build_optimizer(cfg, params) for name, params in task.parameter_groups().items()
+    }
     schedulers = {name: build_scheduler(cfg, opt, max_steps) for name, opt in optimizers.items()}
     return optimizers, schedulers

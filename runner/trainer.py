@@ -34,7 +34,12 @@ class Trainer:
         device: torch.device,
     ):
         self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
-        self.optimizers, self.schedulers, self.log, self.device = optimizers, schedulers, log, device
+        self.optimizers, self.schedulers, self.log, self.device = (
+            optimizers,
+            schedulers,
+            log,
+            device,
+        )
         self.params = [p for p in task.parameters() if p.requires_grad]
         self.step = 0
         self.samples_seen = 0
@@ -76,7 +81,9 @@ class Trainer:
             self.cfg.gradient_clip_algorithm,
             loss=totals["loss"],
         )
-        for optimizer, scheduler in zip(self.optimizers.values(), self.schedulers.values(), strict=True):
+        for optimizer, scheduler in zip(
+            self.optimizers.values(), self.schedulers.values(), strict=True
+        ):
             if not result.skipped:  # a skipped step leaves the schedule where it was
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -267,7 +274,9 @@ class Trainer:
         for key, objects in (("optimizer", self.optimizers), ("scheduler", self.schedulers)):
             saved = state[key] if len(objects) > 1 else {next(iter(objects)): state[key]}
             if set(saved) != set(objects):
-                raise UserError(f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task")
+                raise UserError(
+                    f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task"
+                )
             for name, obj in objects.items():
                 obj.load_state_dict(saved[name])
         self.precision.load_state_dict(state)

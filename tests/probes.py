@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tasks.classification import MLPClassifier
+from tasks.gan import GAN
 
 EVENTS: list[tuple] = []
 
@@ -28,3 +29,11 @@ class ProbeMLP(MLPClassifier):
     def eval_sums(self, batch):
         EVENTS.append(("eval", _state(batch["features"])))
         return super().eval_sums(batch)
+
+
+class PoisonedGAN(GAN):
+    """The generator's gradients turn to inf: only the generator is broken, not the discriminator."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generator[0].weight.register_hook(lambda grad: grad * float("inf"))

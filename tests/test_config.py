@@ -16,7 +16,7 @@ from tests.helpers import make_cfg
         (["precision=fp8"], "unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
         (
             ["model=gpt9"],
-            "unknown model 'gpt9': choose from bert, bert_base, gpt, gpt2, mlp, resnet",
+            "unknown model 'gpt9': choose from bert, bert_base, gan, gpt",
         ),
         (["-m", "precision=fp32,fp7"], "unknown precision 'fp7'"),
         (

@@ -42,12 +42,25 @@ TINY = {
         "dataset.image_size=16",
         "dataset.batch_size=4",
     ],
+    "gan": [
+        "model=gan",
+        "model.width=4",
+        "model.latent_dim=8",
+        "dataset.num_samples=64",
+        "dataset.image_size=16",
+        "dataset.batch_size=4",
+    ],
 }
-METRIC = {"gpt": "eval_perplexity", "resnet": "eval_accuracy", "unet": "eval_dice"}
+METRIC = {
+    "gpt": "eval_perplexity",
+    "resnet": "eval_accuracy",
+    "unet": "eval_dice",
+    "gan": "eval_discriminator_accuracy",
+}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("model", ["gpt", "resnet", "unet"])
+@pytest.mark.parametrize("model", ["gpt", "resnet", "unet", "gan"])
 def test_every_model_trains_in_every_precision(tmp_path, model, precision):
     summary = run(make_cfg(*TINY[model], *QUICK, f"precision={precision}"), tmp_path)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 0
