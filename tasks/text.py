@@ -59,21 +59,45 @@ def _expand(key: str, patterns: str | list[str]) -> list[str]:
     return files
 
 
-def train_tokenizer(files: list[str], vocab_size: int, cache_dir: Path) -> Tokenizer:
-    """A WordPiece tokenizer (BERT-style normalisation) trained on `files`, cached by their content."""
-    stamp = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
-    path = cache_dir / "tokenizers" / f"wordpiece-{_digest(stamp, vocab_size)}.json"
+def train_tokenizer(texts: datasets.Dataset, vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """A WordPiece tokenizer (BERT-style normalisation) trained on the `text` column, cached by the
+    dataset's fingerprint (which follows the files' content)."""
+    path = cache_dir / "tokenizers" / f"wordpiece-{_digest(texts._fingerprint, vocab_size)}.json"
     if path.exists():
         return Tokenizer.from_file(str(path))
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train(
-        files, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS)
-    )
+    batches = (texts[i : i + 1000]["text"] for i in range(0, len(texts), 1000))
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS)
+    tok.train_from_iterator(batches, trainer, length=len(texts))
     _atomic_write(path, tok.to_str())
     return tok
+
+
+def load_text(
+    source: str, load: dict, text_column: str, splits: dict[str, str]
+) -> datasets.DatasetDict:
+    """`datasets.load_dataset(**load)`, the same path for local files and Hub datasets, renamed to
+    splits "train" (and "validation" where there is one) with one column, "text"."""
+    try:
+        loaded = datasets.load_dataset(**load)
+    except Exception as e:  # offline Hub, unreadable or malformed files: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{source}: cannot load {load['path']!r}: {first}") from None
+    picked = {ours: loaded[theirs] for ours, theirs in splits.items() if theirs in loaded}
+    if "train" not in picked:
+        raise UserError(
+            f"{source}: {load['path']!r} has no split {splits['train']!r} (it has: {', '.join(loaded)})"
+        )
+    if text_column not in picked["train"].column_names:
+        raise UserError(
+            f"dataset.text_column={text_column!r} is not a column of {load['path']!r} "
+            f"(columns: {', '.join(picked['train'].column_names)})"
+        )
+    texts = datasets.DatasetDict({k: v.select_columns([text_column]) for k, v in picked.items()})
+    return texts.rename_column(text_column, "text") if text_column != "text" else texts
 
 
 class TextCorpus(DataModule):
@@ -85,8 +109,7 @@ class TextCorpus(DataModule):
 
     def __init__(
         self,
-        train_files: list[str],
-        validation_files: list[str] | None,
+        raw: datasets.DatasetDict,
         *,
         seed: int,
         vocab_size: int,
@@ -107,26 +130,19 @@ class TextCorpus(DataModule):
             )
         self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
         self.mlm_probability, self.num_workers = mlm_probability, num_workers
-        cache = Path(os.path.expanduser(cache_dir))
-        self.tokenizer = train_tokenizer(train_files, vocab_size, cache)
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        files = {"train": train_files}
-        if validation_files:
-            files["validation"] = validation_files
-        raw = datasets.load_dataset("text", data_files=files)
-        raw = raw.filter(lambda row: len(row["text"].strip()) > 0)
+        raw = raw.filter(lambda row: isinstance(row["text"], str) and len(row["text"].strip()) > 0)
         if "validation" not in raw and validation_fraction > 0 and len(raw["train"]) > 1:
             raw = raw["train"].train_test_split(test_size=validation_fraction, seed=seed)
             raw["validation"] = raw.pop("test")
+        cache = Path(os.path.expanduser(cache_dir))
+        self.tokenizer = train_tokenizer(raw["train"], vocab_size, cache)
+        self.vocab_size = self.tokenizer.get_vocab_size()
         tok_hash = _digest(self.tokenizer.to_str(), seq_len)
         self.splits = {
             name: self._blocks(split, tok_hash).with_format("numpy") for name, split in raw.items()
         }
         if self.split_size("train") == 0:
-            raise UserError(
-                f"dataset: the training text has fewer than seq_len={seq_len} tokens "
-                f"({', '.join(train_files)})"
-            )
+            raise UserError(f"dataset: the training text has fewer than seq_len={seq_len} tokens")
 
     def _blocks(self, split: datasets.Dataset, tok_hash: str) -> datasets.Dataset:
         tokenizer, seq_len = self.tokenizer, self.seq_len
@@ -172,12 +188,47 @@ class TextCorpus(DataModule):
 
 
 class TextFiles(TextCorpus):
-    """`dataset=text_files dataset.data_files=PATH_OR_GLOB` (one document per line)."""
+    """`dataset=text_files dataset.data_files=PATH_OR_GLOB`: text (one document per line), json,
+    csv or parquet files (`dataset.format`), documents in `dataset.text_column`."""
 
-    def __init__(self, data_files, validation_files=None, **kwargs):
-        train = _expand("dataset.data_files", data_files)
-        val = _expand("dataset.validation_files", validation_files) if validation_files else None
-        super().__init__(train, val, **kwargs)
+    def __init__(
+        self, data_files, validation_files=None, format="text", text_column="text", **kwargs
+    ):
+        if format not in ("text", "json", "csv", "parquet"):
+            raise UserError(
+                f"dataset.format={format!r} is invalid: allowed: text, json, csv, parquet"
+            )
+        files = {"train": _expand("dataset.data_files", data_files)}
+        if validation_files:
+            files["validation"] = _expand("dataset.validation_files", validation_files)
+        load = {"path": format, "data_files": files}
+        raw = load_text(
+            "dataset.data_files", load, text_column, {"train": "train", "validation": "validation"}
+        )
+        super().__init__(raw, **kwargs)
+
+
+class HubText(TextCorpus):
+    """`dataset=hub_text dataset.path=NAME [dataset.name=CONFIG]`: a Hugging Face Hub dataset, on a
+    machine that is online; the same loading path as local files."""
+
+    def __init__(
+        self,
+        path: str,
+        name=None,
+        train_split="train",
+        validation_split="validation",
+        text_column="text",
+        **kwargs,
+    ):
+        load = {"path": path, "name": name}
+        raw = load_text(
+            "dataset.path",
+            load,
+            text_column,
+            {"train": train_split, "validation": validation_split},
+        )
+        super().__init__(raw, **kwargs)
 
 
 class GeneratedText(TextCorpus):
@@ -200,7 +251,10 @@ class GeneratedText(TextCorpus):
             train, val = generate_corpus(*params, validation_fraction=kwargs["validation_fraction"])
             _atomic_write(paths["validation"], val)
             _atomic_write(paths["train"], train)
-        super().__init__([str(paths["train"])], [str(paths["validation"])], **kwargs)
+        files = {split: [str(p)] for split, p in paths.items()}
+        load = {"path": "text", "data_files": files}
+        raw = load_text("dataset", load, "text", {"train": "train", "validation": "validation"})
+        super().__init__(raw, **kwargs)
 
 
 def generate_corpus(

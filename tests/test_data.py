@@ -112,3 +112,41 @@ def test_unusable_text_files_are_one_clear_error(tmp_path, content, message):
 def test_a_model_refuses_data_it_cannot_read():
     with pytest.raises(UserError, match="model=bert needs a text dataset"):
         build(make_cfg("model=bert", "dataset=blobs"))
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "parquet"])
+def test_json_csv_and_parquet_files_load_through_the_same_path(tmp_path, fmt):
+    import datasets
+
+    words = "amber bright cobalt dusty ember frost glade harbor ivory jade".split()
+    rng = np.random.default_rng(1)
+    docs = [" ".join(rng.choice(words, size=30)) for _ in range(40)]
+    table = datasets.Dataset.from_dict({"body": docs, "id": list(range(40))})
+    path = tmp_path / f"docs.{fmt}"
+    {"json": table.to_json, "csv": table.to_csv, "parquet": table.to_parquet}[fmt](str(path))
+    cfg = make_cfg(
+        *TINY_BERT_MODEL,
+        "dataset=text_files",
+        f"dataset.data_files={path}",
+        f"dataset.format={fmt}",
+        "dataset.text_column=body",
+        "dataset.vocab_size=100",
+        "dataset.seq_len=16",
+    )
+    data, task = build(cfg)
+    assert data.split_size("train") > 0 and "cobalt" in data.tokenizer.get_vocab()
+    assert task(next(iter(data.train_loader()))).isfinite()
+    wrong = make_cfg(
+        *TINY_BERT_MODEL,
+        "dataset=text_files",
+        f"dataset.data_files={path}",
+        f"dataset.format={fmt}",
+    )
+    with pytest.raises(UserError, match="dataset.text_column='text' is not a column .*body, id"):
+        build(wrong)
+
+
+def test_a_hub_dataset_offline_is_one_clear_error():
+    cfg = make_cfg(*TINY_BERT_MODEL, "dataset=hub_text", "dataset.path=no-such-user/no-such-set")
+    with pytest.raises(UserError, match=r"dataset.path: cannot load 'no-such-user/no-such-set': "):
+        build(cfg)
