@@ -17,9 +17,12 @@ class _Arrays(DataModule):
     """Splits held as `datasets.Dataset` tables of numpy arrays."""
 
     def _store(self, columns: dict[str, np.ndarray], validation_fraction: float) -> None:
-        n = len(next(iter(columns.values())))
+        self._store_table(datasets.Dataset.from_dict(columns), validation_fraction)
+
+    def _store_table(self, table: datasets.Dataset, validation_fraction: float) -> None:
+        n = len(table)
         n_val = int(n * validation_fraction)
-        table = datasets.Dataset.from_dict(columns).with_format("numpy")
+        table = table.with_format("numpy")
         self.splits = {
             "train": table.select(range(n_val, n)),
             "validation": table.select(range(n_val)),
@@ -121,6 +124,63 @@ class SyntheticShapes(_Arrays):
                 masks[i][inside] = cls
                 images[i][:, inside] += colours[cls][:, None]
         self._store({"image": images, "mask": masks}, validation_fraction)
+
+
+class ImageFolder(_Arrays):
+    """`dataset=image_folder dataset.data_dir=DIR`: one sub-folder of images per class, loaded with
+    `load_dataset("imagefolder")`; resized and scaled to [-1, 1] by a `map` cached by fingerprint."""
+
+    kind = "images"
+
+    def __init__(
+        self,
+        data_dir: str,
+        seed: int,
+        image_size: int,
+        channels: int,
+        batch_size: int,
+        validation_fraction: float,
+        num_workers: int = 0,
+    ):
+        _check(batch_size, image_size)
+        if channels not in (1, 3):
+            raise UserError(f"dataset.channels={channels} is invalid: allowed: 1, 3")
+        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
+        self.channels, self.image_size = channels, image_size
+        try:
+            table = datasets.load_dataset("imagefolder", data_dir=data_dir, split="train")
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"dataset.data_dir={data_dir!r}: cannot load images: {first}") from None
+        if "label" not in table.column_names:
+            raise UserError(
+                f"dataset.data_dir={data_dir!r}: put the images in one sub-folder per class"
+            )
+        self.num_classes = table.features["label"].num_classes
+        mode = "RGB" if channels == 3 else "L"
+
+        def to_arrays(rows):
+            images = []
+            for img in rows["image"]:
+                pixels = np.asarray(img.convert(mode).resize((image_size, image_size)), np.float32)
+                pixels = pixels if pixels.ndim == 3 else pixels[..., None]
+                images.append(pixels.transpose(2, 0, 1) / 127.5 - 1)
+            return {"image": images, "label": rows["label"]}
+
+        features = datasets.Features(
+            {
+                "image": datasets.Array3D((channels, image_size, image_size), "float32"),
+                "label": datasets.Value("int64"),
+            }
+        )
+        table = table.map(
+            to_arrays,
+            batched=True,
+            remove_columns=table.column_names,
+            features=features,
+            new_fingerprint=f"{table._fingerprint}-{image_size}-{channels}",
+        )
+        self._store_table(table.shuffle(seed=seed), validation_fraction)
 
 
 def _conv_bn(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:

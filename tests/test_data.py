@@ -150,3 +150,36 @@ def test_a_hub_dataset_offline_is_one_clear_error():
     cfg = make_cfg(*TINY_BERT_MODEL, "dataset=hub_text", "dataset.path=no-such-user/no-such-set")
     with pytest.raises(UserError, match=r"dataset.path: cannot load 'no-such-user/no-such-set': "):
         build(cfg)
+
+
+def test_an_image_folder_trains_a_resnet(tmp_path):
+    from PIL import Image
+
+    from runner.run import run
+
+    rng = np.random.default_rng(2)
+    for label, level in (("dark", 40), ("light", 210)):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(8):
+            pixels = np.clip(rng.normal(level, 20, (20, 24, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "images" / label / f"{i}.png")
+    cfg = make_cfg(
+        "model=resnet",
+        "model.width=4",
+        "dataset=image_folder",
+        f"dataset.data_dir={tmp_path / 'images'}",
+        "dataset.image_size=16",
+        "dataset.batch_size=4",
+        "dataset.validation_fraction=0.25",
+        "logger=none",
+        "trainer.progress_bar=false",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+    )
+    data, _ = build(cfg)
+    assert data.num_classes == 2 and data.split_size("train") == 12
+    batch = next(iter(data.train_loader()))
+    assert batch["image"].shape == (4, 3, 16, 16) and batch["image"].abs().max() <= 1
+    assert run(cfg, tmp_path / "run")["status"] == "completed"
+    with pytest.raises(UserError, match="cannot load images"):
+        build(make_cfg("model=resnet", "dataset=image_folder", f"dataset.data_dir={tmp_path}/none"))
