@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from runner.errors import UserError
-from runner.task import Batch, DataModule, Task, require_kind
+from runner.task import Batch, DataModule, Task
+from tasks.text import check_transformer
 
 
 class GPT(Task):
@@ -25,15 +25,9 @@ class GPT(Task):
         attn_implementation: str = "sdpa",
     ):
         super().__init__()
-        require_kind(data, "text", "gpt")
-        if n_embd % n_head:
-            raise UserError(
-                f"model.n_embd={n_embd} is invalid: must be a multiple of model.n_head={n_head}"
-            )
-        if data.seq_len > n_positions:
-            raise UserError(
-                f"dataset.seq_len={data.seq_len} is invalid: must be ≤ model.n_positions={n_positions}"
-            )
+        check_transformer(
+            data, "gpt", ("n_embd", n_embd), ("n_head", n_head), ("n_positions", n_positions)
+        )
         data.use_objective("causal")
         config = GPT2Config(
             vocab_size=data.vocab_size,

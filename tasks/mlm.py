@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM
 
-from runner.errors import UserError
-from runner.task import Batch, DataModule, Task, require_kind
-from tasks.text import IGNORE_INDEX, PAD_ID
+from runner.task import Batch, DataModule, Task
+from tasks.text import IGNORE_INDEX, PAD_ID, check_transformer
 
 
 class BertMLM(Task):
@@ -26,17 +25,13 @@ class BertMLM(Task):
         attn_implementation: str = "sdpa",
     ):
         super().__init__()
-        require_kind(data, "text", "bert")
-        if hidden_size % num_attention_heads:
-            raise UserError(
-                f"model.hidden_size={hidden_size} is invalid: must be a multiple of "
-                f"model.num_attention_heads={num_attention_heads}"
-            )
-        if data.seq_len > max_position_embeddings:
-            raise UserError(
-                f"dataset.seq_len={data.seq_len} is invalid: must be ≤ "
-                f"model.max_position_embeddings={max_position_embeddings}"
-            )
+        check_transformer(
+            data,
+            "bert",
+            ("hidden_size", hidden_size),
+            ("num_attention_heads", num_attention_heads),
+            ("max_position_embeddings", max_position_embeddings),
+        )
         config = BertConfig(
             vocab_size=data.vocab_size,
             hidden_size=hidden_size,

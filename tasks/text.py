@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from runner.errors import UserError
-from runner.task import Batch, DataModule, sample_rng
+from runner.task import Batch, DataModule, require_kind, sample_rng
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, SEP_ID, MASK_ID = 0, 3, 4
@@ -303,3 +303,23 @@ def generate_corpus(
     n_val = max(1, round(num_documents * validation_fraction))
     docs = [document(np.random.default_rng([seed, 8, i])) for i in range(num_documents + n_val)]
     return "\n".join(docs[n_val:]) + "\n", "\n".join(docs[:n_val]) + "\n"
+
+
+def check_transformer(
+    data: DataModule,
+    model: str,
+    width: tuple[str, int],
+    heads: tuple[str, int],
+    positions: tuple[str, int],
+) -> None:
+    """A text transformer's shape checks: text data, heads dividing the width, blocks that fit."""
+    require_kind(data, "text", model)
+    (width_key, w), (heads_key, h), (positions_key, p) = width, heads, positions
+    if w % h:
+        raise UserError(
+            f"model.{width_key}={w} is invalid: must be a multiple of model.{heads_key}={h}"
+        )
+    if data.seq_len > p:
+        raise UserError(
+            f"dataset.seq_len={data.seq_len} is invalid: must be ≤ model.{positions_key}={p}"
+        )

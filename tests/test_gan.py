@@ -8,17 +8,9 @@ import torch
 from runner.run import build, run, seed_everything
 from tests.helpers import load_last, make_cfg, read_metrics
 from tests.test_precision import _Spy
+from tests.test_tasks import TINY
 
-GAN = [
-    "model=gan",
-    "model.width=4",
-    "model.latent_dim=8",
-    "dataset.num_samples=64",
-    "dataset.image_size=16",
-    "dataset.batch_size=4",
-    "logger=none",
-    "trainer.progress_bar=false",
-]
+GAN = [*TINY["gan"], "logger=none", "trainer.progress_bar=false"]
 
 
 def test_scaler_sequence_is_scale_each_unscale_each_step_each_update_once(tmp_path, monkeypatch):
