@@ -155,6 +155,8 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             "skipped_steps": skipped,
             "steps": steps,
             "final_loss_scale": _float(s.get("final_loss_scale")),
+            "mfu": _float(s.get("mfu")),
+            "low_precision_flop_share": _float(s.get("low_precision_flop_share")),
         }
         base = baselines.get(_context(job))
         if base is not None:
@@ -230,6 +232,8 @@ COLUMNS = [
     ("max loss gap", "max_loss_gap", "{:.1%}"),
     ("skipped", "skipped_steps", "{}"),
     ("loss scale", "final_loss_scale", "{:g}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("low-prec FLOPs", "low_precision_flop_share", "{:.0%}"),
     ("verdict", "verdict", "{}"),
 ]
 

@@ -39,6 +39,12 @@ class PrecisionConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    # Steps left out of the speed figures (allocator, kernel selection, caches warming up).
+    warmup_steps: int = 10
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 300
     accumulate_grad_batches: int = 1
@@ -53,6 +59,7 @@ class TrainerConfig:
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
     progress_bar: bool = True
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Config:
     dataset: Any = MISSING
     optim: Any = MISSING
     seed: int = 0
+    cache_dir: str = "~/.cache/amp-runner"
 
 
 def register() -> None:
@@ -113,6 +121,8 @@ def validate(cfg: DictConfig) -> None:
     _require(
         t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1"
     )
+    warmup = t.benchmark.warmup_steps
+    _require(warmup >= 0, "trainer.benchmark.warmup_steps", warmup, "must be ≥ 0")
     _require(t.keep_last_k >= 1, "trainer.keep_last_k", t.keep_last_k, "must be ≥ 1")
     _require(
         t.max_consecutive_nonfinite >= 1,

@@ -20,7 +20,7 @@ from runner.errors import Preempted, UserError
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision
 from runner.task import DataModule, Task
-from runner.telemetry import reset_peak_memory
+from runner.telemetry import reset_peak_memory, utilisation
 from runner.tracking import RunLog, open_tracker
 from runner.trainer import Trainer
 
@@ -135,6 +135,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         }
         summary |= trainer.fit()
+        summary |= utilisation(summary, caps, precision.mode, Path(cfg.cache_dir).expanduser())
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

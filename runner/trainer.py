@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import statistics
 import threading
 import time
 
@@ -15,10 +16,11 @@ from runner.console import ProgressBar
 from runner.errors import Preempted, TrainingStopped, UserError
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
-from runner.telemetry import peak_memory_mb, steady_median
+from runner.telemetry import PrecisionAudit, peak_memory_mb
 from runner.tracking import RunLog
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INPUT_BOUND_SHARE = 0.2  # above this share of step time spent waiting for data, warn
 
 
 class Trainer:
@@ -48,6 +50,7 @@ class Trainer:
         self.rows: list[dict] = list(log.previous_rows)  # every row logged, for the summary
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
         self.nonfinite_report: dict | None = None
+        self.audit: dict | None = None
         self._signal: str | None = None
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -110,14 +113,22 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         loader = iter(self.data.train_loader(self.samples_seen))
+        self.first_step = self.step
         pending: list[dict] = []
         self.task.train()
         started = interval_start = time.perf_counter()
         with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar, self._preemption_signals():
             while self.step < cfg.max_steps:
+                fetch_start = time.perf_counter()
                 window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
+                data_wait = time.perf_counter() - fetch_start  # host time: no device sync
                 lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
-                losses, result = self.train_step(window)
+                if self.audit is None:  # the run's first step: which dtype each op ran in
+                    with PrecisionAudit() as audit:
+                        losses, result = self.train_step(window)
+                    self.audit = audit.report()
+                else:
+                    losses, result = self.train_step(window)
                 self.step += 1
                 samples = sum(len(next(iter(b.values()))) for b in window)
                 self.samples_seen += samples
@@ -131,6 +142,7 @@ class Trainer:
                         "skipped": result.skipped,
                         "skipped_total": self.skipped_steps,
                         "lr": lr,
+                        "data_wait_s": data_wait,
                         "samples": samples,
                         "tokens": sum(self.task.num_tokens(b) for b in window),
                     }
@@ -146,7 +158,15 @@ class Trainer:
                 ckpt_due = cfg.checkpoint_every_n_steps > 0 and (
                     self.step % cfg.checkpoint_every_n_steps == 0
                 )
-                flush = not self.step % cfg.log_every_n_steps or last or eval_due or ckpt_due
+                # The warm-up ends on an interval boundary, so steady timings start clean.
+                warmup_end = self.step == self.first_step + cfg.benchmark.warmup_steps
+                flush = (
+                    not self.step % cfg.log_every_n_steps
+                    or last
+                    or eval_due
+                    or ckpt_due
+                    or warmup_end
+                )
                 if not (flush or trouble or self._signal):
                     continue
                 rows = self._finish_interval(pending, interval_start)
@@ -241,6 +261,30 @@ class Trainer:
             )
         return rows
 
+    def speed(self) -> dict:
+        """Median throughput, median and p90 step time, and the share of step time spent waiting
+        for data, over the steady window (this run's steps after the warm-up)."""
+        start = self.first_step + self.cfg.benchmark.warmup_steps
+        steady = [r for r in self.rows if r["step"] > start] or self.rows[-1:]
+        times = [r["step_time_s"] for r in steady]
+        wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
+        if wait_share > INPUT_BOUND_SHARE:
+            console.say(
+                f"[yellow]warning:[/] input-bound: {wait_share:.0%} of step time waits for data, "
+                "which no precision speeds up; raise dataset.num_workers or make loading cheaper"
+            )
+        return {
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "step_time_s": statistics.median(times),
+            "step_time_p90_s": (
+                statistics.quantiles(times, n=10, method="inclusive")[-1]
+                if len(times) > 1
+                else times[0]
+            ),
+            "data_wait_share": wait_share,
+        }
+
     def state_dict(self) -> dict:
         return {
             "model": self.task.state_dict(),
@@ -301,8 +345,6 @@ class Trainer:
         checkpoint.save(folder / "last.pt", state)
 
     def summary(self, wall_time_s: float) -> dict:
-        # The first logging interval holds warm-up (allocator, kernels): left out of the medians.
-        warmup = min(self.cfg.log_every_n_steps, len(self.rows) - 1)
         last = self.rows[-1]
         evals = [r for r in self.rows if "eval_loss" in r]
         return {
@@ -313,9 +355,8 @@ class Trainer:
             "final_loss_scale": self.precision.loss_scale,
             **({k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}),
             **({"best_eval_loss": min(r["eval_loss"] for r in evals)} if evals else {}),
-            "samples_per_s": steady_median([r["samples_per_s"] for r in self.rows], warmup),
-            "tokens_per_s": steady_median([r["tokens_per_s"] for r in self.rows], warmup),
-            "step_time_s": steady_median([r["step_time_s"] for r in self.rows], warmup),
+            **self.speed(),
             "peak_memory_mb": peak_memory_mb(self.device),
             "wall_time_s": wall_time_s,
+            **(self.audit or {}),
         }

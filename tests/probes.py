@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from tasks.classification import MLPClassifier
+from tasks.classification import Blobs, MLPClassifier
 from tasks.gan import GAN
 
 EVENTS: list[tuple] = []
@@ -37,3 +39,11 @@ class PoisonedGAN(GAN):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.generator[0].weight.register_hook(lambda grad: grad * float("inf"))
+
+
+class SlowBlobs(Blobs):
+    """Data that takes 20 ms a batch to load: an input-bound run."""
+
+    def collate(self, split, keys):
+        time.sleep(0.02)
+        return super().collate(split, keys)

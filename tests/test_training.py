@@ -118,7 +118,7 @@ def test_run_outputs_follow_the_contract(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 7]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == pytest.approx(summary) or on_disk["steps"] == summary["steps"] == 7
+    assert on_disk["steps"] == summary["steps"] == 7
     for key in (
         "final_loss",
         "skipped_steps",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,3 +84,18 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
     assert errors == [errors[0]] and errors[0].startswith(message)
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_doctor_reports_every_mode_and_a_recommendation(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.doctor"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"torch {torch.__version__}" in proc.stdout
+    for mode in ("fp32", "tf32", "fp16", "bf16"):
+        assert f"│ {mode} " in proc.stdout
+    assert "recommended:" in proc.stdout and "(measured)" in proc.stdout

@@ -1,0 +1,70 @@
+"""`python -m runner.doctor`: what this machine can do for each precision, and which to use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from runner.precision import DeviceCaps
+from runner.telemetry import peak_tflops
+
+MODES = ("fp32", "tf32", "fp16", "bf16")
+CPU_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
+
+
+def devices() -> list[torch.device]:
+    found = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return found + [torch.device("cpu")]
+
+
+def report(device: torch.device, cache_dir: Path) -> Table:
+    caps = DeviceCaps.probe(device)
+    table = Table(title=f"{device}: {caps.name}", title_justify="left")
+    for column in ("mode", "native", "why", "peak TFLOP/s"):
+        table.add_column(column)
+    peaks = {}
+    for mode in MODES:
+        native, why = caps.support(mode)
+        peaks[mode] = peak = peak_tflops(caps, mode, cache_dir)
+        shown = (
+            "—" if peak is None else f"{peak:.2f}" + (" (measured)" if caps.type == "cpu" else "")
+        )
+        table.add_row(mode, "yes" if native else "no (emulated)", why, shown)
+    slower = [m for m in ("fp16", "bf16") if caps.type == "cpu" and peaks[m] < peaks["fp32"]]
+    mode, why = caps.best_mode()
+    table.caption = f"recommended: {mode} — {why}"
+    if caps.type == "cuda":
+        major, minor = caps.cuda_capability
+        table.caption += (
+            f"; compute capability {major}.{minor}, tensor cores: {'yes' if major >= 7 else 'no'}"
+        )
+    else:
+        flags = [f.upper() for f in CPU_FLAGS if f in caps.cpu_flags] or ["none of note"]
+        table.caption += f"; CPU flags: {', '.join(flags)}; {torch.get_num_threads()} threads"
+    for m in slower:
+        table.caption += f"; warning: {m} matmuls measure slower than fp32 here"
+    return table
+
+
+def main() -> None:
+    import os
+
+    cache_dir = Path(os.environ.get("AMP_RUNNER_CACHE", "~/.cache/amp-runner")).expanduser()
+    console = Console()
+    cuda = torch.version.cuda or "none (CPU build)"
+    console.print(
+        f"torch {torch.__version__}, CUDA {cuda}, CUDA available: {torch.cuda.is_available()}"
+    )
+    for device in devices():
+        console.print(report(device, cache_dir))
+    console.print(
+        "Emulated modes run, but slowly: their speed says nothing about the hardware that has them. "
+        "The runner's precision=auto makes the recommended choice."
+    )
+
+
+if __name__ == "__main__":
+    main()
