@@ -22,4 +22,4 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
-	$(PY) scripts/bench_step.py
+	$(PY) scripts/bench.py

@@ -58,6 +58,7 @@ class TrainerConfig:
     resume: str | None = None  # null | auto | path/to/checkpoint.pt
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
+    compile: bool = False  # torch.compile the task's forward and loss (the backward follows)
     progress_bar: bool = True
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 

@@ -118,6 +118,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         data, task = build(cfg)
         task.to(device)
         precision.keep_fp32(task, cfg.precision.fp32_modules)
+        if cfg.trainer.compile:
+            task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)
         optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
         trainer = Trainer(cfg.trainer, task, data, precision, optimizers, schedulers, log, device)

@@ -1,17 +1,20 @@
-"""How much does the runner's training step cost over a bare PyTorch AMP loop?
+"""Benchmarks (they print figures, they assert nothing): two parts, measured in one process.
 
-Times `Trainer.train_step([batch])` against the textbook loop (autocast → loss / targets →
-backward → clip_grad_norm_ → AdamW step → zero_grad) on the same model, the same initial
-weights and the same batches, for fp32 and bf16. Rounds interleave the two sides (and swap
-their order each round) so that thermal or background drift hits both alike; each timing is
-`--warmup` untimed steps, then `--steps` timed ones. The table shows median samples/s over
-rounds, and each ratio as the median of its per-round ratios (pairs timed back to back). It
-prints numbers and asserts nothing.
+1. The precision table: the runner's training step in fp32, tf32, fp16 and bf16 for BERT, ResNet
+   and GPT: samples/s and the speedup over fp32 (plus peak memory on CUDA).
+2. Runner against a bare loop: `Trainer.train_step([batch])` against the textbook loop
+   (autocast → loss / targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same
+   model, initial weights and batches, fp32 and bf16.
 
-    python scripts/bench_step.py
-    python scripts/bench_step.py --steps 50 --rounds 5 model.num_hidden_layers=2
+Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
+all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
+medians over rounds; ratios are medians of per-round ratios (pairs timed back to back).
 
-Extra positional arguments are Hydra overrides, applied after the defaults below.
+    python scripts/bench.py                       # both parts
+    python scripts/bench.py --part table --models bert --compile
+    python scripts/bench.py --part ratio --steps 50 --rounds 5 model.num_hidden_layers=2
+
+Extra positional arguments are Hydra overrides for the runner-against-bare part.
 """
 
 from __future__ import annotations
@@ -107,17 +110,8 @@ def samples_per_s(
     return batch_size * len(batches[warmup:]) / (time.perf_counter() - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timing")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--precisions", default=",".join(MODES), help="comma-separated: fp32,bf16")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset.batch_size=32")
-    args = parser.parse_args()
-    modes = args.precisions.split(",")
-    if unknown := [m for m in modes if m not in MODES]:
-        parser.error(f"--precisions: {unknown} not in {MODES}")
+def runner_vs_bare(args) -> None:
+    modes = [m for m in args.precisions.split(",") if m in MODES]
 
     cfg = compose_config(args.overrides)
     device = resolve_device(cfg.trainer.device)
@@ -129,7 +123,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     with ExitStack() as stack:
         log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        stack.callback(log.close)
+        stack.callback(log.finish, {})
         steps: dict[str, dict[str, Step]] = {}
         notes = []
         for mode in modes:
@@ -180,6 +174,102 @@ def main() -> None:
     if set(MODES) <= set(modes):
         speedup = {s: median(("bf16", s), ("fp32", s)) for s in ("runner", "bare")}
         print(f"\nbf16/fp32 speedup: runner {speedup['runner']:.2f}x, bare {speedup['bare']:.2f}x")
+
+
+TABLE_MODES = ("fp32", "tf32", "fp16", "bf16")
+TABLE_MODELS = {
+    "bert": OVERRIDES,
+    "resnet": [
+        "model=resnet",
+        "model.width=32",
+        "model.blocks_per_stage=[2,2,2]",
+        "dataset.batch_size=32",
+    ],
+    "gpt": [
+        "model=gpt",
+        "model.n_embd=256",
+        "model.n_layer=4",
+        "model.n_head=4",
+        "model.dropout=0",
+        "dataset.batch_size=16",
+        "dataset.seq_len=128",
+    ],
+}
+
+
+def precision_table(args) -> None:
+    modes = [m for m in args.precisions.split(",") if m in TABLE_MODES] or list(TABLE_MODES)
+    print(f"{'model':<8} {'precision':<10} {'samples/s':>10} {'vs fp32':>8} {'peak MB':>9}")
+    for model in args.models.split(","):
+        with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+            cfg = compose(
+                "config", overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"]
+            )
+        device = resolve_device(cfg.trainer.device)
+        seed_everything(cfg.seed)
+        data, task = build(cfg)
+        loader = iter(data.train_loader())
+        batches = [next(loader) for _ in range(args.warmup + args.steps)]
+        rates: dict[str, list[float]] = {m: [] for m in modes}
+        memory: dict[str, float] = {}
+        with ExitStack() as stack:
+            log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+            stack.callback(log.finish, {})
+            steps = {}
+            for mode in modes:
+                precision = Precision(OmegaConf.merge(cfg.precision, {"mode": mode}), device)
+                stack.callback(precision.close)
+                copy_ = copy.deepcopy(task).to(device)
+                if args.compile:
+                    copy_.compile()
+                steps[mode] = (runner_step(cfg, copy_, data, precision, log), precision)
+            for r in range(args.rounds):
+                for mode in modes if r % 2 == 0 else reversed(modes):
+                    step, precision = steps[mode]
+                    # Each mode's matmul setting applies while it runs (tf32 is process-wide).
+                    torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    rates[mode].append(
+                        samples_per_s(step, batches, args.warmup, data.batch_size, device)
+                    )
+                    if device.type == "cuda":
+                        memory[mode] = torch.cuda.max_memory_allocated(device) / 2**20
+        base = rates.get("fp32")
+        for mode in modes:
+            rate = statistics.median(rates[mode])
+            vs = (
+                statistics.median(a / b for a, b in zip(rates[mode], base, strict=True))
+                if base
+                else float("nan")
+            )
+            mem = f"{memory[mode]:9.0f}" if mode in memory else f"{'—':>9}"
+            print(f"{model:<8} {mode:<10} {rate:>10.1f} {vs:>7.2f}× {mem}")
+    print(
+        f"\n{args.steps} timed steps after {args.warmup} warm-up, medians over {args.rounds} rounds; "
+        f"compile={args.compile}; {DeviceCaps.probe(torch.device('cpu')).name}, torch {torch.__version__}\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("both", "table", "ratio"), default="both")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timing")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--precisions",
+        default="fp32,tf32,fp16,bf16",
+        help="the table's modes; runner against bare uses fp32 and bf16 of them",
+    )
+    parser.add_argument("--models", default="bert,resnet,gpt", help="the table's models")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the table's models")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset.batch_size=32")
+    args = parser.parse_args()
+    if args.part in ("both", "table"):
+        precision_table(args)
+    if args.part in ("both", "ratio"):
+        runner_vs_bare(args)
 
 
 if __name__ == "__main__":
