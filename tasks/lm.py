@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from runner.task import Batch, DataModule, Task
-from tasks.text import check_transformer
+from tasks.text import SEP_ID, check_transformer
 
 
 class GPT(Task):
@@ -39,6 +39,8 @@ class GPT(Task):
             embd_pdrop=float(dropout),
             attn_pdrop=float(dropout),
             initializer_range=float(initializer_range),
+            bos_token_id=SEP_ID,  # documents are separated by [SEP] in this vocabulary
+            eos_token_id=SEP_ID,
         )
         config._attn_implementation = attn_implementation
         self.model = GPT2LMHeadModel(config)
