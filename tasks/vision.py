@@ -16,6 +16,19 @@ from runner.task import Batch, DataModule, Task, require_kind
 class _Arrays(DataModule):
     """Splits held as `datasets.Dataset` tables of numpy arrays."""
 
+    def _configure(
+        self, seed: int, batch_size: int, num_workers: int, image_size: int, channels: int
+    ) -> None:
+        """The checks and fields every image dataset shares."""
+        if batch_size < 1:
+            raise UserError(f"dataset.batch_size={batch_size} is invalid: must be ≥ 1")
+        if image_size < 8 or image_size % 8:
+            raise UserError(
+                f"dataset.image_size={image_size} is invalid: must be a multiple of 8, ≥ 8"
+            )
+        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
+        self.image_size, self.channels = image_size, channels
+
     def _store(self, columns: dict[str, np.ndarray], validation_fraction: float) -> None:
         self._store_table(datasets.Dataset.from_dict(columns), validation_fraction)
 
@@ -36,13 +49,6 @@ class _Arrays(DataModule):
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
 
 
-def _check(batch_size: int, image_size: int) -> None:
-    if batch_size < 1:
-        raise UserError(f"dataset.batch_size={batch_size} is invalid: must be ≥ 1")
-    if image_size < 8 or image_size % 8:
-        raise UserError(f"dataset.image_size={image_size} is invalid: must be a multiple of 8, ≥ 8")
-
-
 class SyntheticImages(_Arrays):
     """Each class is a smooth random pattern; a sample is its class's pattern, shifted, scaled and
     noisy. Learnable, but not in a handful of steps."""
@@ -60,9 +66,8 @@ class SyntheticImages(_Arrays):
         validation_fraction: float,
         num_workers: int = 0,
     ):
-        _check(batch_size, image_size)
-        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
-        self.num_classes, self.channels, self.image_size = num_classes, channels, image_size
+        self._configure(seed, batch_size, num_workers, image_size, channels)
+        self.num_classes = num_classes
         rng = np.random.default_rng([seed, 21])
         coarse = rng.normal(size=(num_classes, channels, 4, 4)).astype(np.float32)
         templates = F.interpolate(torch.from_numpy(coarse), size=image_size, mode="bicubic").numpy()
@@ -101,9 +106,8 @@ class SyntheticShapes(_Arrays):
         shapes_per_image: int = 3,
         num_workers: int = 0,
     ):
-        _check(batch_size, image_size)
-        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
-        self.num_classes, self.channels, self.image_size = num_classes, channels, image_size
+        self._configure(seed, batch_size, num_workers, image_size, channels)
+        self.num_classes = num_classes
         rng = np.random.default_rng([seed, 31])
         colours = rng.uniform(-2, 2, (num_classes, channels)).astype(np.float32)
         yy, xx = np.mgrid[:image_size, :image_size]
@@ -142,11 +146,9 @@ class ImageFolder(_Arrays):
         validation_fraction: float,
         num_workers: int = 0,
     ):
-        _check(batch_size, image_size)
         if channels not in (1, 3):
             raise UserError(f"dataset.channels={channels} is invalid: allowed: 1, 3")
-        self.seed, self.batch_size, self.num_workers = seed, batch_size, num_workers
-        self.channels, self.image_size = channels, image_size
+        self._configure(seed, batch_size, num_workers, image_size, channels)
         try:
             table = datasets.load_dataset("imagefolder", data_dir=data_dir, split="train")
         except Exception as e:
