@@ -93,9 +93,17 @@ def _cpu_name() -> str:
 
 @dataclass
 class StepResult:
-    grad_norm: torch.Tensor  # unscaled, before clipping; stays on the device
-    skipped: bool
-    loss_scale: float  # the scale the step's gradients were computed with (1.0 without scaler)
+    """What one optimizer step did. All tensors stay on the device: reading them is the trainer's
+    choice of when to wait for the device."""
+
+    grad_norm: torch.Tensor  # unscaled, before clipping
+    skipped: torch.Tensor  # 1.0 where the step changed no weight (non-finite loss or gradients)
+    loss_scale: torch.Tensor  # the scale the step's gradients were computed with (1.0: none)
+
+
+def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused optimizers take the skip flag as a tensor and skip on the device: no host read."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 class Precision:
@@ -191,8 +199,10 @@ class Precision:
     ) -> StepResult:
         """unscale_ (once per optimizer) → grad norm → clip → step → update (once).
 
-        A step with inf/NaN gradients (or loss) changes no weight, in any optimizer: one flag is
-        read per optimizer step (GradScaler reads the same one per optimizer anyway)."""
+        A step with inf/NaN gradients (or loss) changes no weight, in any optimizer: one flag
+        decides for all. Fused optimizers get the flag as a tensor and skip on the device, so the
+        step never waits for the device; others need it on the host (one read per step, as
+        GradScaler itself reads it)."""
         params = [p for p in parameters if p.grad is not None]
         if self.scaler:
             for opt in optimizers:
@@ -207,16 +217,25 @@ class Precision:
         finite = torch.isfinite(grad_norm)
         if loss is not None:
             finite &= torch.isfinite(loss)
-        skipped = not bool(finite)
-        if not skipped:  # all optimizers step, or none: a GAN's two halves skip together
+        skipped = (~finite).float()
+        if all(steps_on_device(opt) for opt in optimizers):
+            for opt in optimizers:  # the protocol GradScaler uses with fused optimizers
+                opt.grad_scale, opt.found_inf = None, skipped
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale, opt.found_inf
+        elif finite.item():  # all optimizers step, or none: a GAN's two halves skip together
             for opt in optimizers:
                 if self.scaler:
                     self.scaler.step(opt)
                 else:
                     opt.step()
-        loss_scale = self.loss_scale
         if self.scaler:
+            loss_scale = self.scaler._get_scale_async().clone()  # update() changes it in place
             self.scaler.update()  # backs the scale off if unscale_ found inf/NaN
+        else:
+            loss_scale = torch.ones((), device=grad_norm.device)
         return StepResult(grad_norm.detach(), skipped, loss_scale)
 
     @property

@@ -4,10 +4,12 @@ preemption signals, and stopping on persistent non-finite values."""
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +23,27 @@ from runner.tracking import RunLog
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 INPUT_BOUND_SHARE = 0.2  # above this share of step time spent waiting for data, warn
+
+
+def batch_samples(window: list[Batch]) -> int:
+    return sum(len(next(iter(b.values()))) for b in window)
+
+
+def read_later(value: torch.Tensor) -> Callable[[], bool]:
+    """Starts copying a device flag to the host and returns its reader, which waits for that copy
+    only, not for the work queued after it. On the CPU there is nothing to wait for."""
+    if value.device.type != "cuda":
+        return lambda: bool(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> bool:
+        copied.synchronize()
+        return bool(host)
+
+    return read
 
 
 class Trainer:
@@ -51,16 +74,20 @@ class Trainer:
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
         self.nonfinite_report: dict | None = None
         self.audit: dict | None = None
+        self.lr = 0.0  # of the last step taken
+        self._unsettled: tuple | None = None  # the last step, until its skip flag is read
+        self._trouble: tuple | None = None  # a skipped step to report, or to stop the run at
         self._signal: str | None = None
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, window: list[Batch]) -> tuple[dict[str, torch.Tensor], StepResult]:
+    def train_step(self, window: list[Batch]) -> tuple[dict[str, torch.Tensor], StepResult] | None:
         """One optimizer step over an accumulation window. Every micro-batch's loss is divided by
         the window's target count (masked tokens for MLM), so k micro-batches of b give the same
         gradient as one batch of k·b. Returns the window's mean losses (on the device): `loss`,
-        and `loss_<group>` for each loss of a multi-optimizer task."""
+        and `loss_<group>` for each loss of a multi-optimizer task; or None when the previous
+        step's outcome says the run must stop (this window is then not stepped)."""
         # Counted on the host-side batches: no device sync.
         norm = max(1, sum(self.task.num_targets(b) for b in window))
         totals: dict[str, torch.Tensor] = {}
@@ -77,6 +104,12 @@ class Trainer:
         if "loss" not in totals:
             totals = {f"loss_{k}": v for k, v in totals.items()}
             totals["loss"] = sum(totals.values())
+        # This step's work is queued: waiting for the previous step's flag leaves no gap.
+        self.settle()
+        if self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite:
+            self._zero_grad()
+            return None
+        self.lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
         result = self.precision.step(
             list(self.optimizers.values()),
             self.params,
@@ -84,13 +117,34 @@ class Trainer:
             self.cfg.gradient_clip_algorithm,
             loss=totals["loss"],
         )
-        for optimizer, scheduler in zip(
-            self.optimizers.values(), self.schedulers.values(), strict=True
-        ):
-            if not result.skipped:  # a skipped step leaves the schedule where it was
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
+        self._unsettled = (self.step + 1, read_later(result.skipped), window, self.samples_seen)
         return totals, result
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+
+    def settle(self) -> None:
+        """Books the last optimizer step once its skip flag is on the host: the skip counters,
+        and the LR schedule, which only applied steps advance. Called once the next step's work
+        is queued (or at a measurement point), so the device never idles while the host waits."""
+        if self._unsettled is None:
+            return
+        step, skipped, window, first_sample = self._unsettled
+        self._unsettled = None
+        if not skipped():
+            self.consecutive_skipped = 0
+            for scheduler in self.schedulers.values():
+                scheduler.step()
+            return
+        self.skipped_steps += 1
+        self.consecutive_skipped += 1
+        if self._trouble is None and (
+            self.nonfinite_report is None
+            or self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
+        ):
+            self._trouble = (step, window, first_sample)
 
     @torch.inference_mode()
     def evaluate(self) -> dict[str, float]:
@@ -122,35 +176,32 @@ class Trainer:
                 fetch_start = time.perf_counter()
                 window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
                 data_wait = time.perf_counter() - fetch_start  # host time: no device sync
-                lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
                 if self.audit is None:  # the run's first step: which dtype each op ran in
                     with PrecisionAudit() as audit:
-                        losses, result = self.train_step(window)
+                        stepped = self.train_step(window)
                     self.audit = audit.report()
                 else:
-                    losses, result = self.train_step(window)
-                self.step += 1
-                samples = sum(len(next(iter(b.values()))) for b in window)
-                self.samples_seen += samples
-                self.skipped_steps += result.skipped
-                self.consecutive_skipped = self.consecutive_skipped + 1 if result.skipped else 0
-                pending.append(
-                    {
-                        "step": self.step,
-                        "device_values": losses | {"grad_norm": result.grad_norm},
-                        "loss_scale": result.loss_scale,
-                        "skipped": result.skipped,
-                        "skipped_total": self.skipped_steps,
-                        "lr": lr,
-                        "data_wait_s": data_wait,
-                        "samples": samples,
-                        "tokens": sum(self.task.num_tokens(b) for b in window),
-                    }
-                )
-                trouble = result.skipped and (
-                    self.nonfinite_report is None
-                    or self.consecutive_skipped >= cfg.max_consecutive_nonfinite
-                )
+                    stepped = self.train_step(window)
+                if stepped is not None:
+                    losses, result = stepped
+                    self.step += 1
+                    samples = batch_samples(window)
+                    self.samples_seen += samples
+                    pending.append(
+                        {
+                            "step": self.step,
+                            "device_values": losses
+                            | {
+                                "grad_norm": result.grad_norm,
+                                "loss_scale": result.loss_scale,
+                                "skipped": result.skipped,
+                            },
+                            "lr": self.lr,
+                            "data_wait_s": data_wait,
+                            "samples": samples,
+                            "tokens": sum(self.task.num_tokens(b) for b in window),
+                        }
+                    )
                 last = self.step == cfg.max_steps
                 eval_due = cfg.val_check_interval > 0 and (
                     self.step % cfg.val_check_interval == 0 or last
@@ -167,19 +218,24 @@ class Trainer:
                     or ckpt_due
                     or warmup_end
                 )
-                if not (flush or trouble or self._signal):
+                if not (flush or self._trouble or self._signal or stepped is None):
                     continue
-                rows = self._finish_interval(pending, interval_start)
-                pending = []
-                if eval_due:
-                    rows[-1].update(self.evaluate())
-                self.log.log_rows(rows)
-                self.rows += rows
-                bar.update(
-                    self.step, rows[-1]["loss"], rows[-1]["loss_scale"], rows[-1]["samples_per_s"]
-                )
-                if trouble:
-                    self._on_nonfinite(window, rows[-1])
+                self.settle()  # a measurement point: the device is waited for here anyway
+                if pending:
+                    rows = self._finish_interval(pending, interval_start)
+                    pending = []
+                    if eval_due:
+                        rows[-1].update(self.evaluate())
+                    self.log.log_rows(rows)
+                    self.rows += rows
+                    bar.update(
+                        self.step,
+                        rows[-1]["loss"],
+                        rows[-1]["loss_scale"],
+                        rows[-1]["samples_per_s"],
+                    )
+                if self._trouble:
+                    self._on_nonfinite(*self._trouble)
                 if ckpt_due or last or self._signal:
                     self.save_checkpoint(step_file=ckpt_due)
                 if self._signal:
@@ -203,22 +259,23 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _on_nonfinite(self, window: list[Batch], row: dict) -> None:
+    def _on_nonfinite(self, step: int, window: list[Batch], first_sample: int) -> None:
         """First non-finite step: write nonfinite.json. Too many in a row: stop the run."""
+        self._trouble = None
+        row = next(r for r in reversed(self.rows) if r["step"] == step)
         path = self.log.out_dir / "nonfinite.json"
         if self.nonfinite_report is None:
             info = {
-                "step": self.step,
+                "step": step,
                 "precision": self.precision.mode,
-                "samples": [
-                    self.samples_seen - sum(len(next(iter(b.values()))) for b in window),
-                    self.samples_seen,
-                ],
+                "samples": [first_sample, first_sample + batch_samples(window)],
                 "loss": row["loss"],
                 "grad_norm": row["grad_norm"],
                 "loss_scale": row["loss_scale"],
                 "loss_scale_history": [
-                    (r["step"], r["loss_scale"], r["skipped"]) for r in self.rows[-20:]
+                    (r["step"], r["loss_scale"], r["skipped"])
+                    for r in self.rows[-21:]
+                    if r["step"] <= step
                 ],
             }
             report = diagnostics.replay(
@@ -229,7 +286,7 @@ class Trainer:
             )
             first = self.nonfinite_report["forward"]["first_nonfinite"]
             where = f", first in the forward pass at {first}" if first else ""
-            console.say(f"[yellow]non-finite values at step {self.step}{where}; report: {path}[/]")
+            console.say(f"[yellow]non-finite values at step {step}{where}; report: {path}[/]")
         if self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite:
             raise TrainingStopped(
                 f"training stopped at step {self.step}: {self.consecutive_skipped} steps in a row had "
@@ -245,17 +302,20 @@ class Trainer:
         values = values.tolist()
         step_time = (time.perf_counter() - interval_start) / len(pending)
         memory = peak_memory_mb(self.device)
+        # Every step up to here is settled: count the skips back from the total.
+        skipped_total = self.skipped_steps - sum(v[keys.index("skipped")] > 0 for v in values)
         rows = []
         for r, row_values in zip(pending, values, strict=True):
-            r.pop("device_values")
-            samples, tokens = r.pop("samples"), r.pop("tokens")
+            row = {"step": r["step"], **dict(zip(keys, row_values, strict=True))}
+            row["skipped"] = row["skipped"] > 0
+            skipped_total += row["skipped"]
             rows.append(
-                {"step": r.pop("step"), **dict(zip(keys, row_values, strict=True))}
-                | r
+                row
+                | {"skipped_total": skipped_total, "lr": r["lr"], "data_wait_s": r["data_wait_s"]}
                 | {
                     "step_time_s": step_time,
-                    "samples_per_s": samples / step_time,
-                    "tokens_per_s": tokens / step_time,
+                    "samples_per_s": r["samples"] / step_time,
+                    "tokens_per_s": r["tokens"] / step_time,
                     "peak_memory_mb": memory,
                 }
             )
@@ -277,15 +337,13 @@ class Trainer:
             "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "step_time_s": statistics.median(times),
-            "step_time_p90_s": (
-                statistics.quantiles(times, n=10, method="inclusive")[-1]
-                if len(times) > 1
-                else times[0]
-            ),
+            # Nearest rank: one of the measured times, never below the median.
+            "step_time_p90_s": sorted(times)[math.ceil(0.9 * len(times)) - 1],
             "data_wait_share": wait_share,
         }
 
     def state_dict(self) -> dict:
+        self.settle()
         return {
             "model": self.task.state_dict(),
             # One optimizer: its state dict. Several (a GAN): a dict of them by group name.

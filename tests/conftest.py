@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Before anything imports datasets or wandb: they read these at import time.
 _ROOT = Path(tempfile.mkdtemp(prefix="amp-runner-tests-"))
 os.environ.update(
@@ -18,3 +20,15 @@ os.environ.update(
     HF_DATASETS_CACHE=str(_ROOT / "hf-datasets"),
     AMP_RUNNER_CACHE=str(_ROOT / "amp-runner-cache"),
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run where CUDA is (scripts/gpu_check.sh); elsewhere they are skipped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

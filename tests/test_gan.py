@@ -7,32 +7,39 @@ import torch
 
 from runner.run import build, run, seed_everything
 from tests.helpers import load_last, make_cfg, read_metrics
-from tests.test_precision import _Spy
+from tests.test_precision import _Spy, expected_step
 from tests.test_tasks import TINY
 
 GAN = [*TINY["gan"], "logger=none", "trainer.progress_bar=false"]
 
 
-def test_scaler_sequence_is_scale_each_unscale_each_step_each_update_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_scaler_sequence_is_scale_each_unscale_each_step_each_update_once(
+    tmp_path, monkeypatch, fused
+):
     spy = _Spy(monkeypatch)
     run(
         make_cfg(
-            *GAN, "precision=fp16", "trainer.max_steps=2", "trainer.accumulate_grad_batches=2"
+            *GAN,
+            "precision=fp16",
+            "trainer.max_steps=2",
+            "trainer.accumulate_grad_batches=2",
+            f"optim.optimizer.fused={fused}",
         ),
         tmp_path,
     )
-    one_step = ["scale"] * 4 + ["unscale_", "unscale_", "step", "step", "update"]
-    assert spy.calls == one_step * 2
+    assert spy.calls == expected_step(4, 2, fused) * 2
     state = load_last(tmp_path)
     assert set(state["optimizer"]) == {"discriminator", "generator"}
     assert state["optimizer"]["generator"]["param_groups"][0]["betas"] == (0.5, 0.999)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "fp32"])
-def test_both_halves_skip_when_either_has_non_finite_gradients(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "fused"), [("fp16", True), ("fp32", True), ("fp16", False)])
+def test_both_halves_skip_when_either_has_non_finite_gradients(tmp_path, mode, fused):
     cfg = make_cfg(
         *GAN,
         f"precision={mode}",
+        f"optim.optimizer.fused={fused}",
         "model._target_=tests.probes.PoisonedGAN",
         "trainer.max_steps=3",
         "trainer.max_consecutive_nonfinite=10",

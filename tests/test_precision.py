@@ -99,39 +99,83 @@ def test_emulated_modes_on_a_cpu_run_with_a_warning():
 
 
 class _Spy:
-    """Counts calls of GradScaler methods; the real methods still run."""
+    """Records GradScaler calls and optimizer steps, in order; the real methods still run."""
 
     def __init__(self, monkeypatch):
         self.calls: list[str] = []
-        for name in ("scale", "unscale_", "step", "update"):
-            original = getattr(torch.amp.GradScaler, name)
+        for owner, name, label in (
+            *((torch.amp.GradScaler, n, n) for n in ("scale", "unscale_", "step", "update")),
+            (torch.optim.AdamW, "step", "optimizer.step"),
+        ):
+            original = getattr(owner, name)
 
-            def wrapped(scaler, *args, _name=name, _original=original, **kwargs):
-                self.calls.append(_name)
-                return _original(scaler, *args, **kwargs)
+            def wrapped(obj, *args, _label=label, _original=original, **kwargs):
+                self.calls.append(_label)
+                return _original(obj, *args, **kwargs)
 
-            monkeypatch.setattr(torch.amp.GradScaler, name, wrapped)
+            monkeypatch.setattr(owner, name, wrapped)
 
 
-def test_accumulation_scales_every_micro_batch_and_steps_once(tmp_path, monkeypatch):
+def expected_step(micro_batches: int, optimizers: int, fused: bool) -> list[str]:
+    """One optimizer step: k × scale, unscale_ per optimizer, each optimizer steps (through
+    scaler.step, or directly with the skip flag when fused), update once."""
+    through_scaler = [] if fused else ["step"]
+    return (
+        ["scale"] * micro_batches
+        + ["unscale_"] * optimizers
+        + (through_scaler + ["optimizer.step"]) * optimizers
+        + ["update"]
+    )
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_accumulation_scales_every_micro_batch_and_steps_once(tmp_path, monkeypatch, fused):
     """Invariants 3 and 4: per optimizer step, k × scale, then unscale_ → step → update once."""
     spy = _Spy(monkeypatch)
     cfg = make_cfg(
-        *TINY_MLP, "precision=fp16", "trainer.max_steps=3", "trainer.accumulate_grad_batches=3"
+        *TINY_MLP,
+        "precision=fp16",
+        "trainer.max_steps=3",
+        "trainer.accumulate_grad_batches=3",
+        f"optim.optimizer.fused={fused}",
     )
     run(cfg, tmp_path)
-    assert (
-        spy.calls
-        == ["scale"] * 3
-        + ["unscale_", "step", "update"]
-        + (["scale"] * 3 + ["unscale_", "step", "update"]) * 2
-    )
+    assert spy.calls == expected_step(3, 1, fused) * 3
 
 
-def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path):
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_a_fused_step_never_reads_the_device(monkeypatch, mode):
+    """With fused AdamW the skip decision stays on the device: a step, taken or skipped, reads
+    no tensor value on the host (the trainer reads the flag later, once more work is queued)."""
+    precision = _precision(mode)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+
+    def no_read(*_args, **_kwargs):
+        raise AssertionError("the step read a value from the device")
+
+    for poisoned in (False, True):
+        before = [p.detach().clone() for p in model.parameters()]
+        with precision.autocast():
+            loss = model(torch.ones(3, 4)).float().mean()
+        precision.backward([loss * (float("inf") if poisoned else 1.0)])
+        with monkeypatch.context() as m:
+            for name in ("item", "__bool__", "tolist"):
+                m.setattr(torch.Tensor, name, no_read)
+            result = precision.step([optimizer], model.parameters(), 1.0, loss=loss)
+        optimizer.zero_grad()
+        changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+        assert result.skipped.item() == float(poisoned)
+        assert all(changed) if not poisoned else not any(changed)
+    assert all(s["step"].item() == 1 for s in optimizer.state.values())  # the skip did not count
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path, fused):
     """Invariant 5: each overflowing step is skipped, counted and logged; the scale halves; the
     LR schedule stays put; the weights are those of the initialisation."""
     overrides = [*TINY_MLP, "precision=fp16", "precision.grad_scaler.init_scale=1e30"]
+    overrides.append(f"optim.optimizer.fused={fused}")
     cfg = make_cfg(*overrides, "trainer.max_steps=6", "trainer.log_every_n_steps=1")
     summary = run(cfg, tmp_path)
     rows = read_metrics(tmp_path)
@@ -148,7 +192,9 @@ def test_huge_initial_scale_skips_steps_without_touching_weights(tmp_path):
     saved = load_last(tmp_path)
     for name, tensor in initial.state_dict().items():
         assert torch.equal(saved["model"][name], tensor), name
-    assert saved["optimizer"]["state"] == {}  # AdamW never stepped
+    # AdamW never stepped: no state (foreach), or a step count of 0 and zero moments (fused)
+    for state in saved["optimizer"]["state"].values():
+        assert state["step"] == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
 
 
 def test_training_recovers_after_skips_and_the_schedule_resumes(tmp_path):

@@ -31,6 +31,7 @@ def reference_loop(cfg, steps: int, mode: str) -> dict[str, torch.Tensor]:
         betas=tuple(cfg.optim.optimizer.betas),
         eps=cfg.optim.optimizer.eps,
         weight_decay=0.0,
+        fused=cfg.optim.optimizer.fused,  # scaler.step hands fused AdamW the scale and inf flag
     )
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
     scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
