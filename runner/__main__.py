@@ -43,9 +43,16 @@ def main() -> None:
         preflight(args)
         if is_multirun(args):
             os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))
+        from runner import distributed  # imports torch: after the quick checks
+
+        ranks = distributed.init()  # under torchrun; one process: nothing to do
     except UserError as e:
         fail(e)
-    job()
+    sys.argv += distributed.launch_overrides(ranks, args)
+    try:
+        job()
+    finally:
+        distributed.close(ranks)
     if CompareCallback.failed_jobs:
         sys.exit(1)
 

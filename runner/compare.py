@@ -377,6 +377,10 @@ class CompareCallback(Callback):
     failed_jobs = 0
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        from runner.distributed import from_env
+
+        if not from_env().main:  # under torchrun, rank 0 compares
+            return
         try:
             jobs = compare(Path(config.hydra.sweep.dir))
         except UserError as e:

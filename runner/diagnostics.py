@@ -4,13 +4,11 @@ inf/NaN first appeared, which gradients overflowed, and what to try."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
 from runner.precision import Precision
 from runner.task import Batch, Task
-from runner.tracking import dumps
 
 FP16_MAX = 65504.0
 
@@ -121,7 +119,5 @@ def hint(mode: str, report: dict) -> str:
     )
 
 
-def write_report(path: Path, info: dict, report: dict, mode: str) -> dict:
-    full = info | report | {"hint": hint(mode, report)}
-    path.write_text(dumps(full, indent=2) + "\n")
-    return full
+def full_report(info: dict, report: dict, mode: str) -> dict:
+    return info | report | {"hint": hint(mode, report)}

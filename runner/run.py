@@ -14,7 +14,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, console
+from runner import checkpoint, console, distributed
 from runner.config import validate
 from runner.errors import Preempted, UserError
 from runner.optim import build_optimizers
@@ -88,18 +88,23 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
     directory; return the summary. A failed run still leaves a summary.json that says why."""
     validate(cfg)
+    ranks = distributed.init()
+    console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
     resume = checkpoint.find_resume(cfg.trainer.resume, out)
     state = resume[1] if resume else None
     log = RunLog(
         out,
-        open_tracker(cfg, out, state.get("wandb_run_id") if state else None),
+        open_tracker(cfg, out, state.get("wandb_run_id") if state else None)
+        if ranks.main
+        else None,
         resume_step=state["step"] if state else None,
+        write=ranks.main,
     )
     summary: dict = {"status": "running"}
     precision = trainer = None
     try:
-        device = resolve_device(cfg.trainer.device)
+        device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
         precision = Precision(cfg.precision, device, caps)
         console.say(f"precision: {precision.describe()}")
@@ -117,12 +122,16 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         seed_everything(cfg.seed)
         data, task = build(cfg)
         task.to(device)
+        if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
+            seed_everything(cfg.seed + ranks.rank)
         precision.keep_fp32(task, cfg.precision.fp32_modules)
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)
         optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
-        trainer = Trainer(cfg.trainer, task, data, precision, optimizers, schedulers, log, device)
+        trainer = Trainer(
+            cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks
+        )
         trainer.extra_state = {
             "config": OmegaConf.to_container(cfg, resolve=True),
             "wandb_run_id": log.tracker.run_id if log.tracker else None,
@@ -133,7 +142,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         summary |= {
             "task": type(task).__name__,
             "parameters": sum(p.numel() for p in task.parameters()),
-            "batch_size": data.batch_size,
+            "batch_size": data.batch_size * ranks.world,  # the global batch
+            "world_size": ranks.world,
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         }
         summary |= trainer.fit()
@@ -156,5 +166,6 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         if precision is not None:
             precision.close()
     log.finish(summary)
-    console.summary_table(summary)
+    if ranks.main:
+        console.summary_table(summary)
     return summary

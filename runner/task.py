@@ -55,20 +55,31 @@ def sample_rng(*key: int) -> np.random.Generator:
 class _StreamSampler(Sampler):
     """Batches of (epoch, index) keys from an endless stream of per-epoch permutations. The stream
     is cut into batches without regard to epoch ends, so batch size k·b sees the same samples, in
-    the same order, as k batches of size b."""
+    the same order, as k batches of size b. With several ranks, each global batch of ranks × b is
+    dealt out in rank order, so N ranks see what one process with batch N·b sees."""
 
-    def __init__(self, size: int, batch_size: int, seed: int, start_sample: int = 0):
+    def __init__(
+        self,
+        size: int,
+        batch_size: int,
+        seed: int,
+        start_sample: int = 0,
+        rank: int = 0,
+        world: int = 1,
+    ):
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start_sample
+        self.rank, self.world = rank, world
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch, offset = divmod(self.start, self.size)
         batch: list[tuple[int, int]] = []
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         while True:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
             for index in order[offset:]:
                 batch.append((epoch, int(index)))
-                if len(batch) == self.batch_size:
-                    yield batch
+                if len(batch) == self.batch_size * self.world:
+                    yield batch[mine]
                     batch = []
             epoch, offset = epoch + 1, 0
 
@@ -109,11 +120,11 @@ class DataModule(ABC):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def train_loader(self, start_sample: int = 0) -> DataLoader:
+    def train_loader(self, start_sample: int = 0, rank: int = 0, world: int = 1) -> DataLoader:
+        """`start_sample` counts samples of all ranks together."""
         size = self.split_size("train")
-        return self._loader(
-            "train", 0, _StreamSampler(size, self.batch_size, self.seed, start_sample)
-        )
+        sampler = _StreamSampler(size, self.batch_size, self.seed, start_sample, rank, world)
+        return self._loader("train", 0, sampler)
 
     def val_loader(self, max_batches: int) -> DataLoader | None:
         size = self.split_size("validation")

@@ -110,15 +110,23 @@ class RunLog:
     that was logged; the tracker gets the same rows."""
 
     def __init__(
-        self, out_dir: Path, tracker: WandbTracker | None = None, resume_step: int | None = None
+        self,
+        out_dir: Path,
+        tracker: WandbTracker | None = None,
+        resume_step: int | None = None,
+        write: bool = True,
     ):
         """`resume_step`: keep the rows up to that step (written before the checkpoint a run
-        resumes from) and drop later ones, so the file has no duplicates and no gaps."""
+        resumes from) and drop later ones, so the file has no duplicates and no gaps.
+        `write=False` (ranks other than 0): the same interface, nothing written."""
         self.out_dir = out_dir
         self.tracker = tracker
+        self.previous_rows: list[dict] = []
+        self._metrics = None
+        if not write:
+            return
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "metrics.jsonl"
-        self.previous_rows: list[dict] = []
         if resume_step is not None and path.exists():
             for line in path.read_text().splitlines():
                 row = json.loads(line) if line.strip() else None
@@ -130,6 +138,8 @@ class RunLog:
         self._metrics = open(path, "a", encoding="utf-8")
 
     def log_rows(self, rows: list[dict]) -> None:
+        if self._metrics is None:
+            return
         for row in rows:
             self._metrics.write(dumps(row) + "\n")
         self._metrics.flush()
@@ -146,6 +156,8 @@ class RunLog:
 
     def finish(self, summary: dict, exit_code: int = 0) -> None:
         """Write summary.json and finish the tracker run (with the exit code, on failure too)."""
+        if self._metrics is None:
+            return
         if not self._metrics.closed:
             self._metrics.close()
         (self.out_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")

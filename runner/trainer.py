@@ -12,14 +12,16 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from runner import checkpoint, console, diagnostics
+from runner import checkpoint, console, diagnostics, distributed
 from runner.console import ProgressBar
+from runner.distributed import Dist
 from runner.errors import Preempted, TrainingStopped, UserError
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import PrecisionAudit, peak_memory_mb
-from runner.tracking import RunLog
+from runner.tracking import RunLog, dumps
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 INPUT_BOUND_SHARE = 0.2  # above this share of step time spent waiting for data, warn
@@ -29,19 +31,19 @@ def batch_samples(window: list[Batch]) -> int:
     return sum(len(next(iter(b.values()))) for b in window)
 
 
-def read_later(value: torch.Tensor) -> Callable[[], bool]:
-    """Starts copying a device flag to the host and returns its reader, which waits for that copy
-    only, not for the work queued after it. On the CPU there is nothing to wait for."""
+def read_later(value: torch.Tensor) -> Callable[[], float | list[float]]:
+    """Starts copying device flags to the host and returns their reader, which waits for that
+    copy only, not for the work queued after it. On the CPU there is nothing to wait for."""
     if value.device.type != "cuda":
-        return lambda: bool(value)
-    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        return value.tolist
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
     host.copy_(value, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
-    def read() -> bool:
+    def read() -> float | list[float]:
         copied.synchronize()
-        return bool(host)
+        return host.tolist()
 
     return read
 
@@ -57,6 +59,7 @@ class Trainer:
         schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler],
         log: RunLog,
         device: torch.device,
+        dist: Dist | None = None,
     ):
         self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
         self.optimizers, self.schedulers, self.log, self.device = (
@@ -66,6 +69,14 @@ class Trainer:
             device,
         )
         self.params = [p for p in task.parameters() if p.requires_grad]
+        self.dist = dist = dist or Dist()
+        # The forward and backward go through DDP (gradients averaged over ranks); everything else
+        # (evaluation, checkpoints, diagnostics) uses the task itself.
+        self.model = (
+            DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
+            if dist.enabled
+            else task
+        )
         self.step = 0
         self.samples_seen = 0
         self.skipped_steps = 0
@@ -77,7 +88,8 @@ class Trainer:
         self.lr = 0.0  # of the last step taken
         self._unsettled: tuple | None = None  # the last step, until its skip flag is read
         self._trouble: tuple | None = None  # a skipped step to report, or to stop the run at
-        self._signal: str | None = None
+        self._signal: str | None = None  # a preemption signal this process received
+        self._stop = False  # every rank agrees to stop (one process: the signal itself)
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -88,19 +100,37 @@ class Trainer:
         gradient as one batch of k·b. Returns the window's mean losses (on the device): `loss`,
         and `loss_<group>` for each loss of a multi-optimizer task; or None when the previous
         step's outcome says the run must stop (this window is then not stepped)."""
-        # Counted on the host-side batches: no device sync.
-        norm = max(1, sum(self.task.num_targets(b) for b in window))
+        # Counted on the host-side batches: no device sync. Several ranks add up their counts
+        # (and whether any received a preemption signal) on the device.
+        count = sum(self.task.num_targets(b) for b in window)
+        if self.dist.enabled:
+            shared = torch.tensor([count, self._signal is not None], device=self.device)
+            norm = distributed.sum_(shared.float(), self.dist)
+            stop, norm = norm[1], norm[0].clamp(min=1)
+        else:
+            stop, norm = None, max(1, count)
         totals: dict[str, torch.Tensor] = {}
-        for batch in window:
+        for i, batch in enumerate(window):
             batch = self._to_device(batch)
-            with self.precision.autocast():
-                losses = self.task(batch)
-                if isinstance(losses, torch.Tensor):
-                    losses = {"loss": losses}
-                losses = {k: v / norm for k, v in losses.items()}
-            self.precision.backward(list(losses.values()))
+            # DDP averages gradients over ranks once per window: on its last micro-batch.
+            syncs = not self.dist.enabled or i == len(window) - 1
+            with contextlib.nullcontext() if syncs else self.model.no_sync():
+                with self.precision.autocast():
+                    losses = self.model(batch)
+                    if isinstance(losses, torch.Tensor):
+                        losses = {"loss": losses}
+                    losses = {k: v / norm for k, v in losses.items()}
+                # × ranks: DDP's average over ranks then leaves the sum over the global window.
+                self.precision.backward(
+                    [v * self.dist.world for v in losses.values()]
+                    if self.dist.enabled
+                    else list(losses.values())
+                )
             for key, loss in losses.items():
                 totals[key] = totals.get(key, 0) + loss.detach().float()
+        if self.dist.enabled:  # the global window's losses: the same on every rank
+            summed = distributed.sum_(torch.stack(list(totals.values())), self.dist)
+            totals = dict(zip(totals, summed.unbind(), strict=True))
         if "loss" not in totals:
             totals = {f"loss_{k}": v for k, v in totals.items()}
             totals["loss"] = sum(totals.values())
@@ -118,7 +148,8 @@ class Trainer:
             loss=totals["loss"],
         )
         self._zero_grad()
-        self._unsettled = (self.step + 1, read_later(result.skipped), window, self.samples_seen)
+        flags = result.skipped if stop is None else torch.stack([result.skipped, stop])
+        self._unsettled = (self.step + 1, read_later(flags), window, self.samples_seen)
         return totals, result
 
     def _zero_grad(self) -> None:
@@ -131,9 +162,13 @@ class Trainer:
         is queued (or at a measurement point), so the device never idles while the host waits."""
         if self._unsettled is None:
             return
-        step, skipped, window, first_sample = self._unsettled
+        step, read, window, first_sample = self._unsettled
         self._unsettled = None
-        if not skipped():
+        flags = read()
+        skipped = flags[0] if self.dist.enabled else flags
+        if self.dist.enabled:
+            self._stop |= bool(flags[1])
+        if not skipped:
             self.consecutive_skipped = 0
             for scheduler in self.schedulers.values():
                 scheduler.step()
@@ -166,7 +201,7 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg = self.cfg
-        loader = iter(self.data.train_loader(self.samples_seen))
+        loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.first_step = self.step
         pending: list[dict] = []
         self.task.train()
@@ -185,7 +220,7 @@ class Trainer:
                 if stepped is not None:
                     losses, result = stepped
                     self.step += 1
-                    samples = batch_samples(window)
+                    samples = batch_samples(window) * self.dist.world
                     self.samples_seen += samples
                     pending.append(
                         {
@@ -199,7 +234,8 @@ class Trainer:
                             "lr": self.lr,
                             "data_wait_s": data_wait,
                             "samples": samples,
-                            "tokens": sum(self.task.num_tokens(b) for b in window),
+                            "tokens": sum(self.task.num_tokens(b) for b in window)
+                            * self.dist.world,
                         }
                     )
                 last = self.step == cfg.max_steps
@@ -218,13 +254,13 @@ class Trainer:
                     or ckpt_due
                     or warmup_end
                 )
-                if not (flush or self._trouble or self._signal or stepped is None):
+                if not (flush or self._trouble or self.stopping or stepped is None):
                     continue
                 self.settle()  # a measurement point: the device is waited for here anyway
                 if pending:
                     rows = self._finish_interval(pending, interval_start)
                     pending = []
-                    if eval_due:
+                    if eval_due and self.dist.main:  # other ranks go on to the next step
                         rows[-1].update(self.evaluate())
                     self.log.log_rows(rows)
                     self.rows += rows
@@ -236,12 +272,19 @@ class Trainer:
                     )
                 if self._trouble:
                     self._on_nonfinite(*self._trouble)
-                if ckpt_due or last or self._signal:
+                if ckpt_due or last or self.stopping:
                     self.save_checkpoint(step_file=ckpt_due)
-                if self._signal:
-                    raise Preempted(self._signal, self.step)
+                if self.stopping:
+                    raise Preempted(
+                        self._signal or "a preemption signal to another rank", self.step
+                    )
                 interval_start = time.perf_counter()
         return self.summary(time.perf_counter() - started)
+
+    @property
+    def stopping(self) -> bool:
+        """Preempted: with several ranks, once all of them know (they stop at the same step)."""
+        return self._stop if self.dist.enabled else self._signal is not None
 
     @contextlib.contextmanager
     def _preemption_signals(self):
@@ -268,7 +311,7 @@ class Trainer:
             info = {
                 "step": step,
                 "precision": self.precision.mode,
-                "samples": [first_sample, first_sample + batch_samples(window)],
+                "samples": [first_sample, first_sample + batch_samples(window) * self.dist.world],
                 "loss": row["loss"],
                 "grad_norm": row["grad_norm"],
                 "loss_scale": row["loss_scale"],
@@ -281,9 +324,9 @@ class Trainer:
             report = diagnostics.replay(
                 self.task, self.precision, window, self._to_device, row["loss_scale"]
             )
-            self.nonfinite_report = diagnostics.write_report(
-                path, info, report, self.precision.mode
-            )
+            self.nonfinite_report = diagnostics.full_report(info, report, self.precision.mode)
+            if self.dist.main:
+                path.write_text(dumps(self.nonfinite_report, indent=2) + "\n")
             first = self.nonfinite_report["forward"]["first_nonfinite"]
             where = f", first in the forward pass at {first}" if first else ""
             console.say(f"[yellow]non-finite values at step {step}{where}; report: {path}[/]")
@@ -357,7 +400,12 @@ class Trainer:
             "precision": self.precision.mode,
             "rng": checkpoint.rng_state(),
             **self.extra_state,
-        }
+        } | self._rank_rng()
+
+    def _rank_rng(self) -> dict:
+        """Each rank's RNG state (dropout differs by rank), gathered for rank 0 to save."""
+        states = distributed.gather(checkpoint.rng_state(), self.dist)
+        return {"rng_by_rank": states} if self.dist.enabled else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Everything a checkpoint holds, so the run continues bit for bit."""
@@ -385,7 +433,14 @@ class Trainer:
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
-        checkpoint.set_rng_state(state["rng"])
+        by_rank = state.get("rng_by_rank") or []
+        if self.dist.enabled and len(by_rank) != self.dist.world:
+            console.say(
+                f"[yellow]warning:[/] the checkpoint was written by {len(by_rank) or 1} rank(s), "
+                f"this run has {self.dist.world}: dropout's random stream will differ"
+            )
+        own = by_rank[self.dist.rank] if len(by_rank) == self.dist.world else state["rng"]
+        checkpoint.set_rng_state(own)
 
     @staticmethod
     def _by_group(objects: dict) -> dict:
@@ -396,7 +451,9 @@ class Trainer:
         if not all(torch.isfinite(p).all() for p in self.params):
             raise TrainingStopped(f"refusing to checkpoint non-finite weights at step {self.step}")
         folder = self.log.out_dir / "checkpoints"
-        state = self.state_dict()
+        state = self.state_dict()  # on every rank: it gathers their RNG states
+        if not self.dist.main:
+            return
         if step_file:
             checkpoint.save(folder / f"step-{self.step}.pt", state)
             checkpoint.prune(folder, self.cfg.keep_last_k)

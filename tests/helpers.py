@@ -70,10 +70,12 @@ def read_wandb_records(path: Path) -> list:
     return records
 
 
-def cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m runner ARGS` in a subprocess, as a user runs it."""
+def cli(
+    *args: str, cwd, env: dict | None = None, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """`python [LAUNCHER] -m runner ARGS` in a subprocess, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+        [sys.executable, *launcher, "-m", "runner", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

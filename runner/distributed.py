@@ -1,0 +1,118 @@
+"""Several processes, one run (`torchrun --nproc_per_node=N -m runner ...`): the process group,
+the device of each rank, and the few collectives the loop needs. Rank 0 alone writes metrics,
+checkpoints and the W&B run; every rank takes the same decisions from the same reduced values.
+
+With one process (no torchrun) everything here is a no-op, so the single-device path stays the
+plain loop."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from runner.errors import UserError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def from_env() -> Dist:
+    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), or one process."""
+    try:
+        return Dist(
+            int(os.environ.get("RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
+    except ValueError:
+        raise UserError(
+            "RANK, WORLD_SIZE and LOCAL_RANK must be integers (start several processes with torchrun)"
+        ) from None
+
+
+def _adopt_submitit_tasks() -> None:
+    """A Hydra submitit job (SLURM, or local) with several tasks: each task is a rank. submitit
+    knows the tasks and hosts; export them as torchrun would have."""
+    if "RANK" in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks > 1:
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def init() -> Dist:
+    """Joins the process group torchrun (or a submitit job's tasks) describes: gloo for CPU
+    tensors, NCCL for CUDA ones."""
+    _adopt_submitit_tasks()
+    d = from_env()
+    if d.enabled and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(d.local_rank % torch.cuda.device_count())
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
+    return d
+
+
+def launch_overrides(d: Dist, args: list[str]) -> list[str]:
+    """Hydra names the run directory after the clock, and ranks start a moment apart: all of them
+    take rank 0's time, and only rank 0 writes Hydra's files there."""
+    if not d.enabled:
+        return []
+    stamp = [time.strftime("%Y-%m-%d/%H-%M-%S")]
+    dist.broadcast_object_list(stamp, src=0, device=torch.device("cpu"))
+    given = {a.split("=")[0] for a in args}
+    overrides = [
+        f"{key}={base}/{stamp[0]}"
+        for key, base in (("hydra.run.dir", "outputs"), ("hydra.sweep.dir", "multirun"))
+        if key not in given
+    ]
+    if not d.main:
+        overrides += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return overrides
+
+
+def device_for(d: Dist, device: torch.device) -> torch.device:
+    """Each rank drives its own GPU (LOCAL_RANK); CPU ranks share the CPU."""
+    if d.enabled and device.type == "cuda":
+        return torch.device("cuda", d.local_rank)
+    return device
+
+
+def sum_(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
+    """The sum over ranks, in place (asynchronous on a GPU: no host wait)."""
+    if d.enabled:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather(obj, d: Dist) -> list:
+    """Every rank's `obj`, in rank order (on every rank)."""
+    if not d.enabled:
+        return [obj]
+    out: list = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def close(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()
