@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.cli import fail, is_multirun, preflight, sweep_keys
+from runner.cli import fail, informational, is_multirun, preflight, sweep_keys
 from runner.compare import CompareCallback
 from runner.errors import Preempted, UserError
 from runner.tracking import SWEEP_KEYS_ENV
@@ -41,7 +41,7 @@ def main() -> None:
     args = sys.argv[1:]
     try:
         preflight(args)
-        if is_multirun(args):
+        if is_multirun(args) and not informational(args):
             os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))
         from runner import distributed  # imports torch: after the quick checks
 

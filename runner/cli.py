@@ -81,9 +81,14 @@ def _check_group_choices(jobs: list[list[str]]) -> None:
                 raise UserError(f"unknown {key} {value!r}: choose from {', '.join(groups[key])}")
 
 
+def informational(args: list[str]) -> bool:
+    """Hydra prints something (help, the config) instead of running."""
+    return any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in args)
+
+
 def preflight(args: list[str]) -> None:
     """Compose and validate every job of the command line. Raises UserError."""
-    if any(a.split("=")[0] in _HYDRA_INFO_FLAGS for a in args):
+    if informational(args):
         return
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
