@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from runner import console
+from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 
 TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence"
@@ -185,8 +186,8 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             job.verdict = "diverged: the loss became inf/NaN — not recommended"
         elif steps and skipped / steps > MAX_SKIPPED_SHARE:
             # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
-            f["health"] = "overflow" if job.precision == "fp16" else "diverged"
-            what = "overflowed" if job.precision == "fp16" else "diverged"
+            f["health"] = "overflow" if job.precision in LOSS_SCALED_MODES else "diverged"
+            what = "overflowed" if job.precision in LOSS_SCALED_MODES else "diverged"
             job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
         elif base is not None and f["final_loss_gap"] > tolerance:
             f["health"] = "worse"
@@ -265,7 +266,7 @@ def plot(jobs: list[Job], path: Path) -> None:
             ax.plot(
                 [r["step"] for r in rows], [r["loss"] for r in rows], label=job.label, linewidth=1.2
             )
-        if job.precision == "fp16" and job.rows:
+        if job.precision in LOSS_SCALED_MODES and job.rows:
             scale_ax = scale_ax or ax.twinx()
             scale_ax.plot(
                 [r["step"] for r in job.rows],

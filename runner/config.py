@@ -16,7 +16,9 @@ from omegaconf import MISSING, DictConfig
 
 from runner.errors import UserError
 
-PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16", "auto")
+STAGE_MODES = ("fp32", "tf32", "fp16", "bf16", "auto")  # the modes a `staged` schedule can use
+PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master")
+LOSS_SCALED_MODES = ("fp16", "fp16_master")  # the modes that need a GradScaler
 
 
 @dataclass
@@ -28,8 +30,16 @@ class GradScalerConfig:
 
 
 @dataclass
+class StageConfig:
+    mode: str = "fp32"
+    until_step: int | None = None  # runs the optimizer steps before this one; null: to the end
+
+
+@dataclass
 class PrecisionConfig:
     mode: str = "fp32"
+    # mode=staged: the modes in force, in order, by optimizer step (conf/precision/staged.yaml).
+    stages: list[StageConfig] = field(default_factory=list)
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
     # Run bf16/fp16/tf32 even where the device only emulates it (slow; the numbers mislead).
     allow_emulated: bool = False
@@ -97,6 +107,34 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise UserError(f"{key}={value!r} is invalid: {allowed}")
 
 
+def _validate_stages(stages) -> None:
+    _require(len(stages) > 0, "precision.stages", [], "precision=staged needs at least one stage")
+    previous = 0
+    for i, stage in enumerate(stages):
+        key = f"precision.stages.{i}"
+        _require(
+            stage.mode in STAGE_MODES,
+            f"{key}.mode",
+            stage.mode,
+            "allowed: " + ", ".join(STAGE_MODES),
+        )
+        if i == len(stages) - 1:
+            _require(
+                stage.until_step is None,
+                f"{key}.until_step",
+                stage.until_step,
+                "the last stage runs to the end: leave it null",
+            )
+        else:
+            _require(
+                stage.until_step is not None and stage.until_step > previous,
+                f"{key}.until_step",
+                stage.until_step,
+                f"must be a step after the previous stage's ({previous})",
+            )
+            previous = stage.until_step
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than a type: ranges and choices. Raises UserError."""
     t, p = cfg.trainer, cfg.precision
@@ -145,6 +183,8 @@ def validate(cfg: DictConfig) -> None:
         p.mode,
         "allowed: " + ", ".join(PRECISION_MODES),
     )
+    if p.mode == "staged":
+        _validate_stages(p.stages)
     gs = p.grad_scaler
     _require(gs.init_scale > 0, "precision.grad_scaler.init_scale", gs.init_scale, "must be > 0")
     _require(

@@ -47,10 +47,11 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
     )
 
 
-def build_optimizers(cfg, task, max_steps: int) -> tuple[dict, dict]:
-    """One optimizer and one schedule per parameter group of the task (a GAN has two)."""
-    optimizers = {
-        name: build_optimizer(cfg, params) for name, params in task.parameter_groups().items()
-    }
+def build_optimizers(
+    cfg, groups: dict[str, list[nn.Parameter]], max_steps: int
+) -> tuple[dict, dict]:
+    """One optimizer and one schedule per parameter group (a GAN has two: see
+    `Task.parameter_groups`, and `Precision.optimizer_groups` for fp16_master's fp32 copies)."""
+    optimizers = {name: build_optimizer(cfg, params) for name, params in groups.items()}
     schedulers = {name: build_scheduler(cfg, opt, max_steps) for name, opt in optimizers.items()}
     return optimizers, schedulers

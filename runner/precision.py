@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NORM_LAYERS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
 
 
 @dataclass(frozen=True)
@@ -107,49 +109,110 @@ def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class Precision:
-    """One precision mode on one device: resolves `auto`, checks support, owns the scaler."""
+    """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
+    follows a `staged` schedule step by step, and keeps fp16_master's fp32 master weights."""
 
     def __init__(self, cfg, device: torch.device, caps: DeviceCaps | None = None):
-        caps = caps or DeviceCaps.probe(device)
+        self.caps = caps or DeviceCaps.probe(device)
+        self.cfg = cfg
         self.requested = cfg.mode
-        self.warnings: list[str] = []
-        if cfg.mode == "auto":
-            self.mode, self.reason = caps.best_mode()
-        else:
-            self.mode = cfg.mode
-            native, self.reason = caps.support(cfg.mode)
-            if not native:
-                # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
-                # On a GPU without the units the answer to "is it faster" is a foregone no.
-                if caps.type == "cuda" and not cfg.allow_emulated:
-                    raise UserError(
-                        f"precision={cfg.mode} is not supported natively here: {self.reason} "
-                        "(use precision=auto or fp32, or precision.allow_emulated=true)"
-                    )
-                self.warnings.append(self.reason)
         self.device = device
-        self.dtype = AUTOCAST_DTYPES.get(self.mode)
+        self.warnings: list[str] = []
+        plan = (
+            [(s.until_step, s.mode) for s in cfg.stages]
+            if cfg.mode == "staged"
+            else [(None, cfg.mode)]
+        )
+        # (until_step, mode, why) per stage; one stage unless staged
+        self.stages = [(until, *self._resolve(mode)) for until, mode in plan]
+        self.name = "staged" if cfg.mode == "staged" else self.stages[0][1]
         self.scaler: torch.amp.GradScaler | None = None
-        if self.mode == "fp16":
-            gs = cfg.grad_scaler
+        self._masters: dict[torch.nn.Parameter, torch.nn.Parameter] = {}  # model param → fp32
+        self._saved_matmul_precision = torch.get_float32_matmul_precision()
+        self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+        self.mode = ""
+        self._enter(*self.stages[0][1:])
+
+    def _resolve(self, mode: str) -> tuple[str, str]:
+        """(mode, why): `auto` decided, and a mode the device lacks refused or warned about."""
+        if mode == "auto":
+            return self.caps.best_mode()
+        native, why = self.caps.support("fp16" if mode == "fp16_master" else mode)
+        if not native:
+            # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
+            # On a GPU without the units the answer to "is it faster" is a foregone no.
+            if self.caps.type == "cuda" and not self.cfg.allow_emulated:
+                raise UserError(
+                    f"precision={mode} is not supported natively here: {why} "
+                    "(use precision=auto or fp32, or precision.allow_emulated=true)"
+                )
+            self.warnings.append(why)
+        return mode, why
+
+    def _enter(self, mode: str, reason: str) -> None:
+        self.mode, self.reason = mode, reason
+        self.dtype = AUTOCAST_DTYPES.get("fp16" if mode == "fp16_master" else mode)
+        if mode not in LOSS_SCALED_MODES:
+            self.scaler = None
+        elif self.scaler is None:  # an fp16 stage after another one keeps its scale
+            gs = self.cfg.grad_scaler
             self.scaler = torch.amp.GradScaler(
-                device.type,
+                self.device.type,
                 init_scale=gs.init_scale,
                 growth_factor=gs.growth_factor,
                 backoff_factor=gs.backoff_factor,
                 growth_interval=gs.growth_interval,
             )
-        self._saved_matmul_precision = torch.get_float32_matmul_precision()
-        self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
-        # Explicit either way: a previous job in the same process may have left "high" behind.
-        tf32 = self.mode == "tf32"
+        # Explicit either way: a previous stage or job in this process may have left "high".
+        tf32 = mode == "tf32"
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32
+
+    def at_step(self, step: int) -> bool:
+        """Enters the stage that covers the optimizer step after `step` steps; True if the mode
+        changed."""
+        _, mode, reason = next(st for st in self.stages if st[0] is None or step < st[0])
+        if mode == self.mode:
+            return False
+        self._enter(mode, reason)
+        return True
 
     def close(self) -> None:
         """Restore the process-wide matmul settings (a multirun runs many jobs in one process)."""
         torch.set_float32_matmul_precision(self._saved_matmul_precision)
         torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """fp16_master: the model's weights become fp16 (norm layers stay fp32) and an fp32
+        master copy of each, taken before the cast, is what the optimizer updates."""
+        if self.mode != "fp16_master":
+            return
+        for module in model.modules():
+            if isinstance(module, NORM_LAYERS):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.dtype == torch.float32 and param not in self._masters:
+                    master = torch.nn.Parameter(param.detach().clone())
+                    param.data = param.data.half()
+                    self._masters[param] = master
+
+    def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
+        """The parameters the optimizers update: the fp32 masters where there are any."""
+        return {name: [self._masters.get(p, p) for p in params] for name, params in groups.items()}
+
+    @property
+    def peak_mode(self) -> str:
+        """The mode whose peak rate the device's MFU is measured against."""
+        return "fp16" if self.mode == "fp16_master" else self.mode
+
+    def memory(self, model: torch.nn.Module) -> dict:
+        def mb(params) -> float:
+            return sum(p.numel() * p.element_size() for p in params) / 2**20
+
+        return {
+            "weights_mb": mb(model.parameters()),
+            "master_weights_mb": mb(self._masters.values()),
+        }
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Wraps forward and loss only. Inputs stay fp32; weights stay fp32 (no .half())."""
@@ -203,6 +266,11 @@ class Precision:
         decides for all. Fused optimizers get the flag as a tensor and skip on the device, so the
         step never waits for the device; others need it on the host (one read per step, as
         GradScaler itself reads it)."""
+        if self._masters:  # fp16 gradients → the fp32 masters, which the optimizers update
+            for param, master in self._masters.items():
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+            parameters = [self._masters.get(p, p) for p in parameters]
         params = [p for p in parameters if p.grad is not None]
         if self.scaler:
             for opt in optimizers:
@@ -231,6 +299,9 @@ class Precision:
                     self.scaler.step(opt)
                 else:
                     opt.step()
+        with torch.no_grad():  # a skipped step left the masters as they were: copying is harmless
+            for param, master in self._masters.items():
+                param.copy_(master)
         if self.scaler:
             loss_scale = self.scaler._get_scale_async().clone()  # update() changes it in place
             self.scaler.update()  # backs the scale off if unscale_ found inf/NaN
@@ -243,12 +314,30 @@ class Precision:
         return self.scaler.get_scale() if self.scaler else 1.0
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+        """The scaler's state, and fp16_master's fp32 weights (in the model's parameter order)."""
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            **({"master_weights": list(self._masters.values())} if self._masters else {}),
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """After `at_step`: the stage in force decides whether a scaler state applies."""
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        saved = state.get("master_weights") or []
+        if self._masters and len(saved) != len(self._masters):
+            raise UserError("the checkpoint has no fp32 master weights for precision=fp16_master")
+        with torch.no_grad():
+            for (param, master), value in zip(self._masters.items(), saved, strict=False):
+                master.copy_(value)
+                param.copy_(value)
 
     def describe(self) -> str:
+        if self.requested == "staged":
+            parts = [
+                f"{mode} until step {until}" if until is not None else f"then {mode}"
+                for until, mode, _ in self.stages
+            ]
+            return f"staged: {', '.join(parts)}"
         text = self.mode if self.requested == self.mode else f"{self.requested} → {self.mode}"
         return f"{text} ({self.reason})"

@@ -111,7 +111,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
         summary |= {
-            "precision": precision.mode,
+            "precision": precision.name,
             "precision_requested": precision.requested,
             "precision_reason": precision.reason,
             "device": str(device),
@@ -122,13 +122,15 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         seed_everything(cfg.seed)
         data, task = build(cfg)
         task.to(device)
+        precision.prepare(task)
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)
         precision.keep_fp32(task, cfg.precision.fp32_modules)
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)
-        optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
+        groups = precision.optimizer_groups(task.parameter_groups())
+        optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
         trainer = Trainer(
             cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks
         )
@@ -147,7 +149,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         }
         summary |= trainer.fit()
-        summary |= utilisation(summary, caps, precision.mode, Path(cfg.cache_dir).expanduser())
+        summary |= precision.memory(task)
+        summary |= utilisation(summary, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser())
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

@@ -211,6 +211,9 @@ class Trainer:
                 fetch_start = time.perf_counter()
                 window = [next(loader) for _ in range(cfg.accumulate_grad_batches)]
                 data_wait = time.perf_counter() - fetch_start  # host time: no device sync
+                if self.precision.at_step(self.step):
+                    console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
+                    self.audit = None  # audit the new stage: the summary has the last stage's
                 if self.audit is None:  # the run's first step: which dtype each op ran in
                     with PrecisionAudit() as audit:
                         stepped = self.train_step(window)
@@ -232,6 +235,7 @@ class Trainer:
                                 "skipped": result.skipped,
                             },
                             "lr": self.lr,
+                            "precision": self.precision.mode,
                             "data_wait_s": data_wait,
                             "samples": samples,
                             "tokens": sum(self.task.num_tokens(b) for b in window)
@@ -354,7 +358,12 @@ class Trainer:
             skipped_total += row["skipped"]
             rows.append(
                 row
-                | {"skipped_total": skipped_total, "lr": r["lr"], "data_wait_s": r["data_wait_s"]}
+                | {
+                    "skipped_total": skipped_total,
+                    "lr": r["lr"],
+                    "precision": r["precision"],
+                    "data_wait_s": r["data_wait_s"],
+                }
                 | {
                     "step_time_s": step_time,
                     "samples_per_s": r["samples"] / step_time,
@@ -391,13 +400,13 @@ class Trainer:
             "model": self.task.state_dict(),
             # One optimizer: its state dict. Several (a GAN): a dict of them by group name.
             "optimizer": self._by_group(self.optimizers),
-            "scaler": self.precision.state_dict()["scaler"],
+            **self.precision.state_dict(),
             "scheduler": self._by_group(self.schedulers),
             "step": self.step,
             "samples_seen": self.samples_seen,
             "skipped_steps": self.skipped_steps,
             "consecutive_skipped": self.consecutive_skipped,
-            "precision": self.precision.mode,
+            "precision": self.precision.name,
             "rng": checkpoint.rng_state(),
             **self.extra_state,
         } | self._rank_rng()
@@ -429,8 +438,9 @@ class Trainer:
                 )
             for name, obj in objects.items():
                 obj.load_state_dict(saved[name])
-        self.precision.load_state_dict(state)
         self.step, self.samples_seen = state["step"], state["samples_seen"]
+        self.precision.at_step(self.step)  # a staged run resumes in its stage
+        self.precision.load_state_dict(state)
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
         by_rank = state.get("rng_by_rank") or []

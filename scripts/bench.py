@@ -67,7 +67,8 @@ def runner_step(
     cfg: DictConfig, task: Task, data: DataModule, precision: Precision, log: RunLog
 ) -> Step:
     """A Trainer wired as `runner.run.run` wires it."""
-    optimizers, schedulers = build_optimizers(cfg.optim, task, cfg.trainer.max_steps)
+    groups = precision.optimizer_groups(task.parameter_groups())
+    optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
     trainer = Trainer(
         cfg.trainer, task, data, precision, optimizers, schedulers, log, precision.device
     )

@@ -13,7 +13,10 @@ from tests.helpers import make_cfg
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["precision=fp8"], "unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32"),
+        (
+            ["precision=fp8"],
+            "unknown precision 'fp8': choose from auto, bf16, fp16, fp16_master, fp32, staged, tf32",
+        ),
         (
             ["model=gpt9"],
             "unknown model 'gpt9': choose from bert, bert_base, gan, gpt",

@@ -59,7 +59,7 @@ def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
     [
         (
             ["precision=fp8"],
-            "error: unknown precision 'fp8': choose from auto, bf16, fp16, fp32, tf32",
+            "error: unknown precision 'fp8': choose from auto, bf16, fp16, fp16_master, fp32, staged, tf32",
         ),
         (["model=resnet9"], "error: unknown model 'resnet9'"),
         (

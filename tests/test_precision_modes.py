@@ -1,0 +1,152 @@
+"""Modes beyond one fixed autocast: `staged` (a schedule of modes by optimizer step) and
+`fp16_master` (fp16 weights, fp32 master copy, dynamic loss scaling)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from runner.config import PrecisionConfig, StageConfig
+from runner.errors import UserError
+from runner.precision import Precision
+from runner.run import run
+from tests.helpers import TINY_BERT, TINY_MLP, cli, load_last, make_cfg, read_metrics
+
+LOG_EACH = ["trainer.log_every_n_steps=1"]
+
+
+def _staged(*stages: tuple[str, int | None]) -> Precision:
+    cfg = OmegaConf.structured(
+        PrecisionConfig(mode="staged", stages=[StageConfig(m, u) for m, u in stages])
+    )
+    return Precision(cfg, torch.device("cpu"))
+
+
+def test_the_stage_switch_happens_exactly_at_the_configured_step(tmp_path):
+    cfg = make_cfg(
+        *TINY_MLP,
+        *LOG_EACH,
+        "precision=staged",
+        "precision.stages.0.until_step=5",
+        "trainer.max_steps=8",
+    )
+    summary = run(cfg, tmp_path)
+    assert [r["precision"] for r in read_metrics(tmp_path)] == ["fp32"] * 5 + ["bf16"] * 3
+    assert summary["precision"] == "staged" and summary["low_precision_flop_share"] > 0.9
+
+
+def test_switching_carries_creates_or_drops_the_grad_scaler():
+    p = _staged(("fp32", 2), ("fp16", 4), ("fp16", 6), ("bf16", None))
+    assert p.mode == "fp32" and p.scaler is None
+    assert p.at_step(2) and p.mode == "fp16" and p.scaler is not None  # created
+    first = p.scaler
+    first.scale(torch.ones(()))  # the scale is made on first use
+    first.update(new_scale=8.0)
+    assert not p.at_step(4) and p.scaler is first and p.loss_scale == 8.0  # carried
+    assert p.at_step(6) and p.mode == "bf16" and p.scaler is None  # dropped
+    p.close()
+
+
+def test_a_staged_run_resumes_in_its_stage_with_its_scaler(tmp_path):
+    staged = [
+        *TINY_BERT,
+        *LOG_EACH,
+        "precision=staged",
+        "precision.stages=[{mode:fp16,until_step:5},{mode:bf16}]",
+        "precision.grad_scaler.growth_interval=1",  # the scale moves every step
+    ]
+    run(make_cfg(*staged, "trainer.max_steps=8"), tmp_path / "straight")
+    run(make_cfg(*staged, "trainer.max_steps=3"), tmp_path / "resumed")
+    assert load_last(tmp_path / "resumed")["scaler"]["scale"] == 65536.0 * 2**3
+    run(make_cfg(*staged, "trainer.max_steps=8", "trainer.resume=auto"), tmp_path / "resumed")
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["precision"] for r in b] == ["fp16"] * 5 + ["bf16"] * 3
+    assert [(r["loss"], r["loss_scale"]) for r in a] == [(r["loss"], r["loss_scale"]) for r in b]
+    straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "resumed")
+    for name, tensor in straight["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
+    assert resumed["scaler"] is None  # the bf16 stage has none
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ("[{mode:fp32,until_step:5},{mode:bf16,until_step:9}]", "the last stage runs to the end"),
+        ("[{mode:fp32,until_step:5},{mode:fp16,until_step:5},{mode:bf16}]", "after the previous"),
+        ("[{mode:fp16_master,until_step:5},{mode:bf16}]", "allowed: fp32, tf32, fp16, bf16, auto"),
+        ("[{mode:fp32},{mode:bf16}]", "precision.stages.0.until_step=None is invalid"),
+    ],
+)
+def test_bad_stages_get_one_clear_line(tmp_path, stages, message):
+    result = cli(*TINY_MLP, "precision=staged", f"precision.stages={stages}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_fp16_master_keeps_fp16_weights_an_fp32_master_copy_and_accounts_for_it(tmp_path):
+    summary = run(
+        make_cfg(*TINY_BERT, "precision=fp16_master", "trainer.max_steps=3"), tmp_path / "master"
+    )
+    fp32 = run(make_cfg(*TINY_BERT, "precision=fp32", "trainer.max_steps=3"), tmp_path / "fp32")
+    state = load_last(tmp_path / "master")
+    model, masters = state["model"], state["master_weights"]
+    norms = {k for k in model if "LayerNorm" in k}
+    assert norms and all(model[k].dtype == torch.float32 for k in norms)
+    halves = [k for k in model if k not in norms and model[k].is_floating_point()]
+    assert all(model[k].dtype == torch.float16 for k in halves)
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    # each fp16 weight is its master rounded to fp16, and the masters have moved with training
+    by_shape = {tuple(m.shape): m for m in masters}
+    weight = model["model.bert.encoder.layer.0.intermediate.dense.weight"]
+    master = by_shape[tuple(weight.shape)]
+    assert torch.equal(master.half(), weight)
+    assert summary["master_weights_mb"] > 0
+    assert summary["weights_mb"] + summary["master_weights_mb"] / 2 == pytest.approx(
+        fp32["weights_mb"], rel=0.05
+    )  # fp16 copies take half of what their fp32 masters take
+    assert summary["precision"] == "fp16_master" and summary["final_loss_scale"] > 0
+
+
+def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
+    common = [
+        *TINY_BERT,
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "optim.optimizer.lr=2e-3",
+        "trainer.max_steps=80",
+        "trainer.val_check_interval=80",
+    ]
+    fp32 = run(make_cfg(*common, "precision=fp32"), tmp_path / "fp32")
+    master = run(make_cfg(*common, "precision=fp16_master"), tmp_path / "master")
+    start = read_metrics(tmp_path / "fp32")[0]["loss"]
+    assert fp32["eval_loss"] < 0.9 * start  # it learned something to compare
+    assert master["eval_loss"] == pytest.approx(fp32["eval_loss"], rel=0.03)
+    assert master["skipped_steps"] == 0
+
+
+def test_both_modes_appear_in_the_comparison_like_any_other(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = cli(
+        "-m",
+        "precision=fp32,staged,fp16_master",
+        *TINY_MLP,
+        "trainer.max_steps=12",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = json.loads((sweep / "compare.json").read_text())
+    assert sorted(j["precision"] for j in jobs) == ["fp16_master", "fp32", "staged"]
+    assert all(j["status"] == "completed" for j in jobs)
+    assert "fp16_master" in (sweep / "compare.md").read_text()
+
+
+def test_resuming_fp16_master_needs_the_master_weights():
+    p = Precision(OmegaConf.structured(PrecisionConfig(mode="fp16_master")), torch.device("cpu"))
+    p.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match="no fp32 master weights"):
+        p.load_state_dict({"scaler": None})  # e.g. a checkpoint of an fp16 run
