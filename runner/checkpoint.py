@@ -52,12 +52,37 @@ def load(path: Path) -> dict:
 
 
 def prune(folder: Path, keep: int) -> None:
-    """Keep the newest `keep` step-N.pt files."""
+    """Keep the newest `keep` step-N.pt files (and their shards)."""
     steps = sorted(
         (int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := STEP_FILE.fullmatch(p.name))
     )
     for _, path in steps[:-keep]:
+        for shard in folder.glob(f"{path.stem}.shard*.pt"):
+            shard.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
+
+
+def shard_path(path: Path, rank: int) -> Path:
+    """Rank r's file of a sharded checkpoint (trainer.strategy=fsdp): last.shard1.pt, ..."""
+    return path if rank == 0 else path.with_name(f"{path.stem}.shard{rank}.pt")
+
+
+def own_shard(path: Path, state: dict, rank: int, world: int) -> dict:
+    """This rank's part of the checkpoint at `path`: the file itself unless it is sharded."""
+    shards = state.get("shards")
+    if not shards:
+        return state
+    if shards != world:
+        raise UserError(
+            f"checkpoint {path} is sharded over {shards} ranks: resume it with {shards} "
+            f"(this run has {world})"
+        )
+    own = load(shard_path(path, rank)) if rank else state
+    if own["step"] != state["step"]:
+        raise UserError(
+            f"checkpoint {path}: rank {rank}'s shard is from step {own['step']}, not {state['step']}"
+        )
+    return own
 
 
 def find_resume(spec: str | None, run_dir: Path) -> tuple[Path, dict] | None:

@@ -68,6 +68,8 @@ class TrainerConfig:
     resume: str | None = None  # null | auto | path/to/checkpoint.pt
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
+    # With several ranks (torchrun): ddp (replicated weights) or fsdp (FSDP2, sharded weights).
+    strategy: str = "ddp"
     compile: bool = False  # torch.compile the task's forward and loss (the backward follows)
     progress_bar: bool = True
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
@@ -177,6 +179,7 @@ def validate(cfg: DictConfig) -> None:
         t.device,
         "allowed: auto, cpu, cuda, cuda:N, mps",
     )
+    _require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
     _require(
         p.mode in PRECISION_MODES,
         "precision.mode",

@@ -7,6 +7,7 @@ plain loop."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -95,6 +96,72 @@ def device_for(d: Dist, device: torch.device) -> torch.device:
     if d.enabled and device.type == "cuda":
         return torch.device("cuda", d.local_rank)
     return device
+
+
+def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch.device):
+    """The module the forward and backward go through. DDP: a wrapper that averages gradients.
+    FSDP2 (`fully_shard`, in place, before the optimizer is built): each of the task's shard
+    units, then the whole, with a MixedPrecisionPolicy from the precision mode: parameters
+    gathered in bf16/fp16 for compute, gradients reduced in fp32, fp32 shards kept as masters."""
+    if not d.enabled:
+        if strategy == "fsdp":
+            raise UserError(
+                "trainer.strategy=fsdp shards over several processes: start them with "
+                "torchrun --nproc_per_node=N -m runner ..."
+            )
+        return task
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if precision.requested == "fp16_master":
+        raise UserError(
+            "precision=fp16_master with trainer.strategy=fsdp: FSDP already keeps fp32 sharded "
+            "weights and computes in fp16 with precision=fp16; use that"
+        )
+    low = precision.dtype if precision.requested != "staged" else None  # fixed at wrap time
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    for unit in task.shard_units():
+        fully_shard(unit, mp_policy=policy)
+    fully_shard(task, mp_policy=policy)
+    return task
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: torch.nn.Module):
+    """Accumulate gradients locally: the micro-batches of a window before its last."""
+    if hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def gathered(task: torch.nn.Module, sharded: bool):
+    """FSDP: the root unit's whole weights, for calls that bypass its forward (evaluation
+    calls the task's own methods). Every rank takes part. The shard units gather themselves."""
+    if not sharded:
+        yield
+        return
+    task.unshard()
+    try:
+        yield
+    finally:
+        task.reshard()
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
 
 
 def sum_(tensor: torch.Tensor, d: Dist) -> torch.Tensor:

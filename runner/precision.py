@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
@@ -112,8 +113,12 @@ class Precision:
     """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
     follows a `staged` schedule step by step, and keeps fp16_master's fp32 master weights."""
 
-    def __init__(self, cfg, device: torch.device, caps: DeviceCaps | None = None):
+    def __init__(
+        self, cfg, device: torch.device, caps: DeviceCaps | None = None, sharded: bool = False
+    ):
+        """`sharded`: gradients are FSDP shards, so fp16 needs a scaler that agrees over ranks."""
         self.caps = caps or DeviceCaps.probe(device)
+        self.sharded = sharded
         self.cfg = cfg
         self.requested = cfg.mode
         self.device = device
@@ -156,7 +161,10 @@ class Precision:
             self.scaler = None
         elif self.scaler is None:  # an fp16 stage after another one keeps its scale
             gs = self.cfg.grad_scaler
-            self.scaler = torch.amp.GradScaler(
+            scaler = torch.amp.GradScaler
+            if self.sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as scaler
+            self.scaler = scaler(
                 self.device.type,
                 init_scale=gs.init_scale,
                 growth_factor=gs.growth_factor,
@@ -282,6 +290,8 @@ class Precision:
                 torch.nn.utils.clip_grads_with_norm_(params, clip_val, grad_norm, foreach=True)
             else:
                 torch.nn.utils.clip_grad_value_(params, clip_val, foreach=True)
+        if isinstance(grad_norm, DTensor):  # FSDP shards: the norm over all of them
+            grad_norm = grad_norm.full_tensor()
         finite = torch.isfinite(grad_norm)
         if loss is not None:
             finite &= torch.isfinite(loss)

@@ -92,7 +92,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
     resume = checkpoint.find_resume(cfg.trainer.resume, out)
-    state = resume[1] if resume else None
+    state = checkpoint.own_shard(*resume, ranks.rank, ranks.world) if resume else None
     log = RunLog(
         out,
         open_tracker(cfg, out, state.get("wandb_run_id") if state else None)
@@ -106,7 +106,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     try:
         device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
-        precision = Precision(cfg.precision, device, caps)
+        sharded = ranks.enabled and cfg.trainer.strategy == "fsdp"
+        precision = Precision(cfg.precision, device, caps, sharded=sharded)
         console.say(f"precision: {precision.describe()}")
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
@@ -129,10 +130,11 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)
+        model = distributed.wrap(task, ranks, cfg.trainer.strategy, precision, device)
         groups = precision.optimizer_groups(task.parameter_groups())
         optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
         trainer = Trainer(
-            cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks
+            cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks, model
         )
         trainer.extra_state = {
             "config": OmegaConf.to_container(cfg, resolve=True),

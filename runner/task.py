@@ -30,6 +30,11 @@ class Task(nn.Module, ABC):
         """One optimizer per group."""
         return {"model": [p for p in self.parameters() if p.requires_grad]}
 
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (e.g. transformer layers), so that each is gathered
+        only while it computes; the rest is sharded as one unit."""
+        return []
+
     def num_targets(self, batch: Batch) -> int:
         """How many terms `forward` sums; read from the host-side batch, so no device sync."""
         return len(next(iter(batch.values())))

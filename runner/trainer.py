@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from runner import checkpoint, console, diagnostics, distributed
 from runner.console import ProgressBar
@@ -60,6 +59,7 @@ class Trainer:
         log: RunLog,
         device: torch.device,
         dist: Dist | None = None,
+        model: torch.nn.Module | None = None,
     ):
         self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
         self.optimizers, self.schedulers, self.log, self.device = (
@@ -70,13 +70,10 @@ class Trainer:
         )
         self.params = [p for p in task.parameters() if p.requires_grad]
         self.dist = dist = dist or Dist()
-        # The forward and backward go through DDP (gradients averaged over ranks); everything else
+        # The forward and backward go through `model` (DDP or FSDP over several ranks); the rest
         # (evaluation, checkpoints, diagnostics) uses the task itself.
-        self.model = (
-            DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
-            if dist.enabled
-            else task
-        )
+        self.model = model or task
+        self.sharded = self.model is task and dist.enabled  # FSDP: each rank holds a shard
         self.step = 0
         self.samples_seen = 0
         self.skipped_steps = 0
@@ -104,8 +101,10 @@ class Trainer:
         # (and whether any received a preemption signal) on the device.
         count = sum(self.task.num_targets(b) for b in window)
         if self.dist.enabled:
-            shared = torch.tensor([count, self._signal is not None], device=self.device)
-            norm = distributed.sum_(shared.float(), self.dist)
+            shared = torch.tensor([count, self._signal is not None], dtype=torch.float32)
+            if self.device.type == "cuda":  # a copy from pinned memory does not wait for the GPU
+                shared = shared.pin_memory()
+            norm = distributed.sum_(shared.to(self.device, non_blocking=True), self.dist)
             stop, norm = norm[1], norm[0].clamp(min=1)
         else:
             stop, norm = None, max(1, count)
@@ -114,7 +113,7 @@ class Trainer:
             batch = self._to_device(batch)
             # DDP averages gradients over ranks once per window: on its last micro-batch.
             syncs = not self.dist.enabled or i == len(window) - 1
-            with contextlib.nullcontext() if syncs else self.model.no_sync():
+            with contextlib.nullcontext() if syncs else distributed.no_grad_sync(self.model):
                 with self.precision.autocast():
                     losses = self.model(batch)
                     if isinstance(losses, torch.Tensor):
@@ -190,11 +189,12 @@ class Trainer:
         self.task.eval()
         sums: dict[str, torch.Tensor] = {}
         count = 0
-        for batch in loader:
-            count += self.task.num_targets(batch)
-            with self.precision.autocast():
-                for key, value in self.task.eval_sums(self._to_device(batch)).items():
-                    sums[key] = sums.get(key, 0) + value.float()
+        with distributed.gathered(self.task, self.sharded):
+            for batch in loader:
+                count += self.task.num_targets(batch)
+                with self.precision.autocast():
+                    for key, value in self.task.eval_sums(self._to_device(batch)).items():
+                        sums[key] = sums.get(key, 0) + value.float()
         self.task.train()
         totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
         return {f"eval_{key}": v for key, v in self.task.eval_metrics(totals, count).items()}
@@ -264,7 +264,8 @@ class Trainer:
                 if pending:
                     rows = self._finish_interval(pending, interval_start)
                     pending = []
-                    if eval_due and self.dist.main:  # other ranks go on to the next step
+                    # Rank 0 evaluates while the others go on, unless the weights are sharded.
+                    if eval_due and (self.dist.main or self.sharded):
                         rows[-1].update(self.evaluate())
                     self.log.log_rows(rows)
                     self.rows += rows
@@ -462,12 +463,19 @@ class Trainer:
             raise TrainingStopped(f"refusing to checkpoint non-finite weights at step {self.step}")
         folder = self.log.out_dir / "checkpoints"
         state = self.state_dict()  # on every rank: it gathers their RNG states
+        names = ([f"step-{self.step}.pt"] if step_file else []) + ["last.pt"]
+        if self.sharded:  # every rank writes its shard; rank 0's file, written last, names them
+            state["shards"] = self.dist.world
+            if not self.dist.main:
+                for name in names:
+                    checkpoint.save(checkpoint.shard_path(folder / name, self.dist.rank), state)
+            distributed.barrier(self.dist)
         if not self.dist.main:
             return
+        for name in names:
+            checkpoint.save(folder / name, state)
         if step_file:
-            checkpoint.save(folder / f"step-{self.step}.pt", state)
             checkpoint.prune(folder, self.cfg.keep_last_k)
-        checkpoint.save(folder / "last.pt", state)
 
     def summary(self, wall_time_s: float) -> dict:
         last = self.rows[-1]

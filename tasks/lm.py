@@ -45,6 +45,9 @@ class GPT(Task):
         config._attn_implementation = attn_implementation
         self.model = GPT2LMHeadModel(config)
 
+    def shard_units(self) -> list[torch.nn.Module]:
+        return list(self.model.transformer.h)
+
     def forward(self, batch: Batch) -> torch.Tensor:
         logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
         return F.cross_entropy(

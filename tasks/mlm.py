@@ -49,6 +49,9 @@ class BertMLM(Task):
         config._attn_implementation = attn_implementation
         self.model = BertForMaskedLM(config)
 
+    def shard_units(self) -> list[torch.nn.Module]:
+        return list(self.model.bert.encoder.layer)
+
     def _logits_and_labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Blocks are full (no padding), so no attention mask is needed.
         logits = self.model(input_ids=batch["input_ids"]).logits

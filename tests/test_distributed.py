@@ -87,7 +87,8 @@ def run_ranks(jobs: list[tuple[list[str], Path]], count_syncs=False, on_start=No
     ]
 
 
-FP32_BERT = [*TINY_BERT, "precision=fp32", "trainer.log_every_n_steps=1"]
+LOG_EACH = ["trainer.log_every_n_steps=1"]
+FP32_BERT = [*TINY_BERT, "precision=fp32", *LOG_EACH]
 
 
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
@@ -201,3 +202,50 @@ def test_a_submitit_job_with_two_tasks_trains_as_two_ranks(tmp_path):
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert len(read_metrics(sweep / "0")) == 5
+
+
+def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
+    """FSDP2 over 2 ranks, fp32: the same losses, grad norms and weights as one process."""
+    steps = ["trainer.max_steps=3", "optim.optimizer.eps=1e-4"]
+    run_ranks(
+        [([*FP32_BERT, *steps, "dataset.batch_size=4", "trainer.strategy=fsdp"], tmp_path / "fsdp")]
+    )
+    from runner.run import run
+
+    run(make_cfg(*FP32_BERT, *steps, "dataset.batch_size=8"), tmp_path / "one")
+    fsdp, one = read_metrics(tmp_path / "fsdp"), read_metrics(tmp_path / "one")
+    for a, b in zip(fsdp, one, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # each rank wrote its shard: half of every sharded weight, and together all of it
+    folder = tmp_path / "fsdp" / "checkpoints"
+    shards = [
+        torch.load(folder / name, weights_only=True) for name in ("last.pt", "last.shard1.pt")
+    ]
+    assert shards[0]["shards"] == 2 and shards[1]["step"] == 3
+    expected = load_last(tmp_path / "one")["model"]
+    name = "model.bert.encoder.layer.0.intermediate.dense.weight"
+    halves = [s["model"][name].to_local() for s in shards]
+    assert halves[0].shape[0] == expected[name].shape[0] // 2
+    torch.testing.assert_close(torch.cat(halves), expected[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_fsdp_mixed_precision_trains_and_resumes_from_its_shards(tmp_path, mode):
+    """bf16/fp16 parameters for compute, fp32 shards and gradient reduction; fp16 with the
+    sharded GradScaler. A run resumed from its sharded checkpoint continues bit for bit."""
+    common = [*TINY_BERT, *LOG_EACH, "trainer.strategy=fsdp", f"precision={mode}"]
+    run_ranks(
+        [
+            ([*common, "trainer.max_steps=6"], tmp_path / "straight"),
+            ([*common, "trainer.max_steps=3"], tmp_path / "resumed"),
+            ([*common, "trainer.max_steps=6", "trainer.resume=auto"], tmp_path / "resumed"),
+        ]
+    )
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [(r["loss"], r["loss_scale"]) for r in a] == [(r["loss"], r["loss_scale"]) for r in b]
+    assert a[-1]["loss"] < a[0]["loss"] and not any(r["skipped"] for r in a)
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["low_precision_flop_share"] > 0.5  # the matmuls ran in low precision
+    if mode == "fp16":
+        assert a[0]["loss_scale"] == 65536.0

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU check: what CI (CPU-only) cannot run. On a machine with an NVIDIA GPU, from the repo root:
+#   bash scripts/gpu_check.sh [OUT_DIR]        (about 8 minutes on one H200)
+# 1. the gpu-marked tests (every mode on CUDA; the optimizer step never syncs with the GPU);
+# 2. bert_base in fp32, tf32, fp16 and bf16 with torch.compile, side by side: samples/s, speedup,
+#    peak memory and MFU per precision, in OUT_DIR/sweep/compare.md;
+# 3. with 2 or more GPUs, DDP and FSDP2 over NCCL on all of them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+OUT=${1:-gpu-check}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline AMP_RUNNER_CACHE="$OUT/cache" PYTHONUNBUFFERED=1
+nvidia-smi -L | tee "$OUT/gpus.txt"
+$PY -m runner.doctor | tee "$OUT/doctor.txt"
+$PY -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
+BERT_BASE=(model=bert_base dataset.batch_size=32 dataset.seq_len=512 dataset.num_documents=4000
+  trainer.device=cuda trainer.compile=true trainer.max_steps=120 trainer.benchmark.warmup_steps=40
+  trainer.val_check_interval=0 trainer.progress_bar=false logger=none)
+$PY -m runner -m precision=fp32,tf32,fp16,bf16 "${BERT_BASE[@]}" "hydra.sweep.dir=$OUT/sweep" \
+  2>&1 | tee "$OUT/sweep.txt"
+cat "$OUT/sweep/compare.md"
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  for strategy in ddp fsdp; do
+    $PY -m torch.distributed.run --nproc_per_node="$gpus" -m runner "${BERT_BASE[@]}" \
+      precision=bf16 trainer.max_steps=60 trainer.strategy=$strategy "hydra.run.dir=$OUT/$strategy" \
+      2>&1 | tee "$OUT/$strategy.txt"
+  done
+fi
