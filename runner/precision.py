@@ -135,6 +135,7 @@ class Precision:
         self._masters: dict[torch.nn.Parameter, torch.nn.Parameter] = {}  # model param → fp32
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
         self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+        self._no_scale = torch.ones((), device=device)
         self.mode = ""
         self._enter(*self.stages[0][1:])
 
@@ -316,7 +317,7 @@ class Precision:
             loss_scale = self.scaler._get_scale_async().clone()  # update() changes it in place
             self.scaler.update()  # backs the scale off if unscale_ found inf/NaN
         else:
-            loss_scale = torch.ones((), device=grad_norm.device)
+            loss_scale = self._no_scale  # never written to: one tensor serves every step
         return StepResult(grad_norm.detach(), skipped, loss_scale)
 
     @property
