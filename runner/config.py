@@ -181,6 +181,12 @@ def validate(cfg: DictConfig) -> None:
     )
     _require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
     _require(
+        not (t.strategy == "fsdp" and p.mode == "fp16_master"),
+        "precision.mode",
+        p.mode,
+        "with trainer.strategy=fsdp use precision=fp16: FSDP's fp32 shards are the master weights",
+    )
+    _require(
         p.mode in PRECISION_MODES,
         "precision.mode",
         p.mode,

@@ -116,11 +116,6 @@ def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch
         return DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if precision.requested == "fp16_master":
-        raise UserError(
-            "precision=fp16_master with trainer.strategy=fsdp: FSDP already keeps fp32 sharded "
-            "weights and computes in fp16 with precision=fp16; use that"
-        )
     low = precision.dtype if precision.requested != "staged" else None  # fixed at wrap time
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     for unit in task.shard_units():

@@ -30,6 +30,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """CUDA: the caching allocator's peak reservation, what the run held of the GPU (allocated
+    plus cached blocks); None elsewhere."""
+    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+
+
 # Dense peak TFLOP/s by GPU (first matching name wins) and mode: the vendors' datasheet figures
 # without sparsity. MFU = achieved / peak; null where the device is not listed.
 GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [

@@ -19,7 +19,7 @@ from runner.distributed import Dist
 from runner.errors import Preempted, TrainingStopped, UserError
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
-from runner.telemetry import PrecisionAudit, peak_memory_mb
+from runner.telemetry import PrecisionAudit, peak_memory_mb, peak_reserved_mb
 from runner.tracking import RunLog, dumps
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -490,6 +490,7 @@ class Trainer:
             **({"best_eval_loss": min(r["eval_loss"] for r in evals)} if evals else {}),
             **self.speed(),
             "peak_memory_mb": peak_memory_mb(self.device),
+            "peak_reserved_mb": peak_reserved_mb(self.device),
             "wall_time_s": wall_time_s,
             **(self.audit or {}),
         }

@@ -38,6 +38,11 @@ from tests.helpers import make_cfg
             "backoff_factor=2.0 is invalid",
         ),
         (["-m", "precision=fp32,bf16", "trainer.max_steps=-3"], "trainer.max_steps=-3 is invalid"),
+        (["trainer.strategy=horovod"], "trainer.strategy='horovod' is invalid: allowed: ddp, fsdp"),
+        (
+            ["trainer.strategy=fsdp", "precision=fp16_master"],
+            "with trainer.strategy=fsdp use precision=fp16",
+        ),
     ],
 )
 def test_preflight_rejects_bad_input_with_one_line(args, message):

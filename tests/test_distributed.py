@@ -204,6 +204,14 @@ def test_a_submitit_job_with_two_tasks_trains_as_two_ranks(tmp_path):
     assert len(read_metrics(sweep / "0")) == 5
 
 
+def test_fsdp_in_one_process_is_one_clear_error(tmp_path):
+    from runner.errors import UserError
+    from runner.run import run
+
+    with pytest.raises(UserError, match="shards over several processes: start them with torchrun"):
+        run(make_cfg(*TINY_MLP, "trainer.strategy=fsdp"), tmp_path)
+
+
 def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
     """FSDP2 over 2 ranks, fp32: the same losses, grad norms and weights as one process."""
     steps = ["trainer.max_steps=3", "optim.optimizer.eps=1e-4"]

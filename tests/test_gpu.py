@@ -50,6 +50,7 @@ def test_every_mode_trains_on_the_gpu_with_its_figures(tmp_path, mode):
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 0
     assert summary["device"].startswith("cuda") and summary["peak_memory_mb"] > 0
+    assert summary["peak_reserved_mb"] >= summary["peak_memory_mb"]
     assert summary["mfu"] is None or 0 < summary["mfu"] < 1
     if mode in ("fp16", "bf16", "fp16_master", "staged"):
         assert summary["low_precision_flop_share"] > 0.5
