@@ -191,16 +191,18 @@ class Precision:
         torch.set_float32_matmul_precision(self._saved_matmul_precision)
         torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
 
-    def prepare(self, model: torch.nn.Module) -> None:
-        """fp16_master: the model's weights become fp16 (norm layers stay fp32) and an fp32
-        master copy of each, taken before the cast, is what the optimizer updates."""
+    def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
+        """fp16_master: the model's weights become fp16 (norm layers and fp32 islands stay fp32)
+        and an fp32 master copy of each, taken before the cast, is what the optimizer updates."""
         if self.mode != "fp16_master":
             return
+        modules = dict(model.named_modules())
+        kept = {p for name in fp32_modules for p in modules[name].parameters()}
         for module in model.modules():
             if isinstance(module, NORM_LAYERS):
                 continue
             for param in module.parameters(recurse=False):
-                if param.dtype == torch.float32 and param not in self._masters:
+                if param.dtype == torch.float32 and param not in kept | self._masters.keys():
                     master = torch.nn.Parameter(param.detach().clone())
                     param.data = param.data.half()
                     self._masters[param] = master

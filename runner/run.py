@@ -123,10 +123,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         seed_everything(cfg.seed)
         data, task = build(cfg)
         task.to(device)
-        precision.prepare(task)
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)
-        precision.keep_fp32(task, cfg.precision.fp32_modules)
+        precision.keep_fp32(task, cfg.precision.fp32_modules)  # checks the names, too
+        precision.prepare(task, cfg.precision.fp32_modules)
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)

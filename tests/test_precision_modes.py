@@ -150,3 +150,16 @@ def test_resuming_fp16_master_needs_the_master_weights():
     p.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(UserError, match="no fp32 master weights"):
         p.load_state_dict({"scaler": None})  # e.g. a checkpoint of an fp16 run
+
+
+def test_fp16_master_leaves_fp32_islands_in_fp32(tmp_path):
+    cfg = make_cfg(
+        *TINY_BERT,
+        "precision=fp16_master",
+        "precision.fp32_modules=[model.cls]",
+        "trainer.max_steps=3",
+    )
+    assert run(cfg, tmp_path)["status"] == "completed"
+    model = load_last(tmp_path)["model"]
+    assert model["model.cls.predictions.transform.dense.weight"].dtype == torch.float32
+    assert model["model.bert.encoder.layer.0.output.dense.weight"].dtype == torch.float16
