@@ -154,6 +154,19 @@ def gathered(task: torch.nn.Module, sharded: bool):
         task.reshard()
 
 
+@contextlib.contextmanager
+def main_first(d: Dist):
+    """Rank 0 runs the block first (it writes the caches: corpus, tokenizer, tokenized data),
+    then the others, which read what it wrote instead of racing to write it too."""
+    if not d.main:
+        barrier(d)
+    try:
+        yield
+    finally:  # also when rank 0 fails: the others then fail on their own, with the same error
+        if d.main:
+            barrier(d)
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

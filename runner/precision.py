@@ -18,6 +18,13 @@ from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compute_mode(mode: str) -> str:
+    """The arithmetic a mode runs in: fp16_master computes in fp16."""
+    return "fp16" if mode == "fp16_master" else mode
+
+
 NORM_LAYERS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
 
 
@@ -143,7 +150,7 @@ class Precision:
         """(mode, why): `auto` decided, and a mode the device lacks refused or warned about."""
         if mode == "auto":
             return self.caps.best_mode()
-        native, why = self.caps.support("fp16" if mode == "fp16_master" else mode)
+        native, why = self.caps.support(compute_mode(mode))
         if not native:
             # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
             # On a GPU without the units the answer to "is it faster" is a foregone no.
@@ -157,7 +164,7 @@ class Precision:
 
     def _enter(self, mode: str, reason: str) -> None:
         self.mode, self.reason = mode, reason
-        self.dtype = AUTOCAST_DTYPES.get("fp16" if mode == "fp16_master" else mode)
+        self.dtype = AUTOCAST_DTYPES.get(compute_mode(mode))
         if mode not in LOSS_SCALED_MODES:
             self.scaler = None
         elif self.scaler is None:  # an fp16 stage after another one keeps its scale
@@ -214,7 +221,7 @@ class Precision:
     @property
     def peak_mode(self) -> str:
         """The mode whose peak rate the device's MFU is measured against."""
-        return "fp16" if self.mode == "fp16_master" else self.mode
+        return compute_mode(self.mode)
 
     def memory(self, model: torch.nn.Module) -> dict:
         def mb(params) -> float:

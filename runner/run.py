@@ -121,7 +121,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         }
         cap_threads()
         seed_everything(cfg.seed)
-        data, task = build(cfg)
+        with distributed.main_first(ranks):
+            data, task = build(cfg)
         task.to(device)
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)

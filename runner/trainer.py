@@ -73,7 +73,7 @@ class Trainer:
         # The forward and backward go through `model` (DDP or FSDP over several ranks); the rest
         # (evaluation, checkpoints, diagnostics) uses the task itself.
         self.model = model or task
-        self.sharded = self.model is task and dist.enabled  # FSDP: each rank holds a shard
+        self.sharded = precision.sharded  # FSDP: each rank holds a shard of the weights
         self.step = 0
         self.samples_seen = 0
         self.skipped_steps = 0
