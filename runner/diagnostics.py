@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from runner.precision import Precision
 from runner.task import Batch, Task
@@ -29,7 +30,11 @@ def _stats(value) -> tuple[bool, float] | None:
             if isinstance(v, torch.Tensor)
         ]
     )
-    tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+    tensors = [
+        t.full_tensor() if isinstance(t, DTensor) else t
+        for t in tensors
+        if t.is_floating_point() and t.numel()
+    ]
     if not tensors:
         return None
     finite = all(bool(torch.isfinite(t).all()) for t in tensors)
@@ -38,21 +43,32 @@ def _stats(value) -> tuple[bool, float] | None:
 
 
 def replay(
-    task: Task, precision: Precision, window: list[Batch], to_device, loss_scale: float
+    task: Task,
+    precision: Precision,
+    window: list[Batch],
+    to_device,
+    scale: float,
+    loss_scale: float,
 ) -> dict:
-    """Forward and backward of `window` again, as the step ran it (same autocast, same scale),
-    recording each leaf module's output and gradients. RNG and gradients are left as found."""
+    """Forward and backward of `window` again, as the step ran it (same autocast; the summed
+    losses times `scale`, the step's loss scale over its normalisation), recording each leaf
+    module's output, the gradient reaching that output (in backward order) and its parameters'
+    gradients. RNG and gradients are left as found: the caller keeps gradients it needs."""
     leaves = [(n, m) for n, m in task.named_modules() if n and not list(m.children())]
     forward: list[tuple[str, bool, float]] = []
+    backward: list[tuple[str, bool]] = []
+
+    def record(name, output):
+        if (stats := _stats(output)) is None:
+            return
+        forward.append((name, *stats))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda g: backward.append((name, _stats(g)[0])))
+
     hooks = [
-        m.register_forward_hook(
-            lambda _m, _i, out, name=name: (
-                forward.append((name, *s)) if (s := _stats(out)) else None
-            )
-        )
+        m.register_forward_hook(lambda _m, _i, out, name=name: record(name, out))
         for name, m in leaves
     ]
-    norm = max(1, sum(task.num_targets(b) for b in window))
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
         with torch.random.fork_rng(devices=devices):
@@ -60,8 +76,8 @@ def replay(
             for batch in window:
                 with precision.autocast():
                     out = task(to_device(batch))
-                    loss = (sum(out.values()) if isinstance(out, dict) else out) / norm
-                (loss * loss_scale).backward()
+                    loss = sum(out.values()) if isinstance(out, dict) else out
+                (loss * scale).backward()
     finally:
         for h in hooks:
             h.remove()
@@ -82,11 +98,17 @@ def replay(
         )
     order = list(seen)
     bad_forward = [n for n in order if not seen[n][0]]
+    bad_backward = list(dict.fromkeys(n for n, finite in backward if not finite))
     return {
         "forward": {
             "first_nonfinite": bad_forward[0] if bad_forward else None,
             "nonfinite": bad_forward,
             "largest": sorted(((n, seen[n][1]) for n in order), key=lambda x: -x[1])[:5],
+        },
+        # The gradient reaching each module's output, in the order backward computed them.
+        "backward": {
+            "first_nonfinite": bad_backward[0] if bad_backward else None,
+            "nonfinite": bad_backward,
         },
         "gradients": {
             "nonfinite": [n for n, finite, _ in grads if not finite],
@@ -95,9 +117,25 @@ def replay(
     }
 
 
+def found_something(report: dict) -> bool:
+    return bool(
+        report["forward"]["first_nonfinite"]
+        or report["backward"]["first_nonfinite"]
+        or report["gradients"]["nonfinite"]
+    )
+
+
 def hint(mode: str, report: dict) -> str:
     first = report["forward"]["first_nonfinite"]
     largest = report["forward"]["largest"]
+    grad_first = report["backward"]["first_nonfinite"]
+    if mode == "fp16_master":
+        where = first or grad_first
+        return (
+            f"fp16 weights and activations overflowed{f' at {where}' if where else ''} "
+            f"(|x| > {FP16_MAX:g}): keep it in fp32 (precision.fp32_modules), or use "
+            "precision=fp16 (fp32 weights, fp16 compute) or precision=bf16 (fp32's range)"
+        )
     if mode == "fp16" and first:
         return (
             f"fp16 overflowed in the forward pass at {first} (|x| > {FP16_MAX:g}): try precision=bf16 "
@@ -105,7 +143,8 @@ def hint(mode: str, report: dict) -> str:
         )
     if mode == "fp16":
         return (
-            "gradients overflowed fp16 at this loss scale; the scaler backs off by itself, and if it "
+            f"gradients overflowed fp16 at this loss scale"
+            f"{f' (first at {grad_first}, in backward order)' if grad_first else ''}; the scaler backs off by itself, and if it "
             "keeps failing try precision=bf16 or a lower learning rate"
         )
     where = (

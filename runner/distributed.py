@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import UserError
+from runner.precision.islands import is_island
+from runner.precision.master import NORM_LAYERS
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,13 @@ def device_for(d: Dist, device: torch.device) -> torch.device:
     return device
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch.device):
-    """The module the forward and backward go through. DDP: a wrapper that averages gradients.
-    FSDP2 (`fully_shard`, in place, before the optimizer is built): each of the task's shard
-    units, then the whole, with a MixedPrecisionPolicy from the precision mode: parameters
-    gathered in bf16/fp16 for compute, gradients reduced in fp32, fp32 shards kept as masters."""
+    """The module the forward and backward go through. DDP: a wrapper that averages gradients
+    (fp16_master averages its fp32 gradients itself, so it is left unwrapped). FSDP2
+    (`fully_shard`, in place, before the optimizer is built): see `_shard`."""
     if not d.enabled:
         if strategy == "fsdp":
             raise UserError(
@@ -110,18 +114,47 @@ def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch
                 "torchrun --nproc_per_node=N -m runner ..."
             )
         return task
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    reduce_dtype = REDUCE_DTYPES[precision.cfg.reduce_dtype]
+    if strategy == "fsdp":
+        _shard(task, precision.dtype if precision.requested != "staged" else None, reduce_dtype)
+        return task
+    if precision.master:
+        return task
+    from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
+    if reduce_dtype == torch.bfloat16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
+
+
+# Under autocast these keep fp32 weights (autocast only casts matmul-like ops), so FSDP gathers
+# them in fp32 too: the same numerics as DDP for the same precision mode.
+FP32_UNDER_AUTOCAST = (*NORM_LAYERS, torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
+    """FSDP2: each of the task's shard units, then the whole, gathering parameters in the mode's
+    low precision (`low`; fixed at wrap time, so a staged run gathers fp32 and autocasts).
+    Norm layers, embeddings and fp32 islands are sharded apart first, with fp32 parameters, as
+    autocast would keep them; a shard unit inside an island is left to the island."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    low = precision.dtype if precision.requested != "staged" else None  # fixed at wrap time
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    in_islands = {id(m) for i in task.modules() if is_island(i) for m in list(i.modules())[1:]}
+    if low is not None:
+        for module in reversed(list(task.modules())[1:]):  # children before their parents
+            if id(module) not in in_islands and (
+                is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST)
+            ):
+                fully_shard(module, mp_policy=fp32)
     for unit in task.shard_units():
-        fully_shard(unit, mp_policy=policy)
+        if id(unit) not in in_islands:
+            fully_shard(unit, mp_policy=policy)
     fully_shard(task, mp_policy=policy)
-    return task
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,25 @@ def read_later(value: torch.Tensor) -> Callable[[], float | list[float]]:
         return host.tolist()
 
     return read
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process: Dynamo's own counters."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@dataclass
+class PendingStep:
+    """An optimizer step whose skip flag is still on its way to the host."""
+
+    step: int
+    read: Callable[[], float | list[float]]
+    window: list[Batch]
+    first_sample: int
+    norm: torch.Tensor | int  # the window's target count, over all ranks
+    loss_scale: torch.Tensor
 
 
 class Trainer:
@@ -83,8 +103,9 @@ class Trainer:
         self.nonfinite_report: dict | None = None
         self.audit: dict | None = None
         self.lr = 0.0  # of the last step taken
-        self._unsettled: tuple | None = None  # the last step, until its skip flag is read
-        self._trouble: tuple | None = None  # a skipped step to report, or to stop the run at
+        self._unsettled: PendingStep | None = None  # the last step, until its flag is read
+        # A skipped step to report (with its replay), or to stop the run at
+        self._trouble: tuple[PendingStep, dict | None] | None = None
         self._signal: str | None = None  # a preemption signal this process received
         self._stop = False  # every rank agrees to stop (one process: the signal itself)
 
@@ -141,14 +162,16 @@ class Trainer:
         self.lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
         result = self.precision.step(
             list(self.optimizers.values()),
-            self.params,
             self.cfg.gradient_clip_val,
             self.cfg.gradient_clip_algorithm,
             loss=totals["loss"],
+            clip_per_group=self.cfg.gradient_clip_per_group,
         )
         self._zero_grad()
         flags = result.skipped if stop is None else torch.stack([result.skipped, stop])
-        self._unsettled = (self.step + 1, read_later(flags), window, self.samples_seen)
+        self._unsettled = PendingStep(
+            self.step + 1, read_later(flags), window, self.samples_seen, norm, result.loss_scale
+        )
         return totals, result
 
     def _zero_grad(self) -> None:
@@ -161,9 +184,8 @@ class Trainer:
         is queued (or at a measurement point), so the device never idles while the host waits."""
         if self._unsettled is None:
             return
-        step, read, window, first_sample = self._unsettled
-        self._unsettled = None
-        flags = read()
+        pending, self._unsettled = self._unsettled, None
+        flags = pending.read()
         skipped = flags[0] if self.dist.enabled else flags
         if self.dist.enabled:
             self._stop |= bool(flags[1])
@@ -174,11 +196,32 @@ class Trainer:
             return
         self.skipped_steps += 1
         self.consecutive_skipped += 1
+        first = self.nonfinite_report is None
         if self._trouble is None and (
-            self.nonfinite_report is None
-            or self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
+            first or self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
         ):
-            self._trouble = (step, window, first_sample)
+            self._trouble = (pending, self._replay(pending) if first else None)
+
+    def _replay(self, pending: PendingStep) -> dict:
+        """The skipped step again, with hooks on every layer, on the weights it saw: no later
+        step has been applied yet (a skipped step changed nothing). Each rank replays its own
+        micro-batches with the step's normalisation; the report is the first rank's that found
+        something. The gradients already computed for the next step are kept aside."""
+        loss_scale = float(pending.loss_scale)
+        scale = loss_scale * self.dist.world / float(pending.norm)
+        kept = [p.grad for p in self.params]
+        # Eager (hooks; no recompiles); DDP's reducer must not average the replay's gradients.
+        quiet = contextlib.nullcontext() if self.sharded else distributed.no_grad_sync(self.model)
+        with torch.compiler.set_stance("force_eager"), quiet:
+            report = diagnostics.replay(
+                self.task, self.precision, pending.window, self._to_device, scale, loss_scale
+            )
+        for param, grad in zip(self.params, kept, strict=True):
+            param.grad = grad
+        reports = distributed.gather(report, self.dist)
+        found = [r for r, rep in enumerate(reports) if diagnostics.found_something(rep)]
+        rank = found[0] if found else 0
+        return reports[rank] | {"rank": rank, "loss_scale": loss_scale}
 
     @torch.inference_mode()
     def evaluate(self) -> dict[str, float]:
@@ -203,6 +246,7 @@ class Trainer:
         cfg = self.cfg
         loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.first_step = self.step
+        self._compiled_before = compile_counts()  # a multirun's earlier jobs compiled too
         pending: list[dict] = []
         self.task.train()
         started = interval_start = time.perf_counter()
@@ -215,7 +259,8 @@ class Trainer:
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.audit = None  # audit the new stage: the summary has the last stage's
                 if self.audit is None:  # the run's first step: which dtype each op ran in
-                    with PrecisionAudit() as audit:
+                    # Eager: Dynamo skips a frame it meets under a dispatch mode, for good.
+                    with torch.compiler.set_stance("force_eager"), PrecisionAudit() as audit:
                         stepped = self.train_step(window)
                     self.audit = audit.report()
                 else:
@@ -307,29 +352,30 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _on_nonfinite(self, step: int, window: list[Batch], first_sample: int) -> None:
+    def _on_nonfinite(self, pending: PendingStep, replayed: dict | None) -> None:
         """First non-finite step: write nonfinite.json. Too many in a row: stop the run."""
         self._trouble = None
+        step = pending.step
         row = next(r for r in reversed(self.rows) if r["step"] == step)
         path = self.log.out_dir / "nonfinite.json"
-        if self.nonfinite_report is None:
+        if replayed is not None:
+            first_sample = pending.first_sample
             info = {
                 "step": step,
                 "precision": self.precision.mode,
-                "samples": [first_sample, first_sample + batch_samples(window) * self.dist.world],
+                "samples": [
+                    first_sample,
+                    first_sample + batch_samples(pending.window) * self.dist.world,
+                ],
                 "loss": row["loss"],
                 "grad_norm": row["grad_norm"],
-                "loss_scale": row["loss_scale"],
                 "loss_scale_history": [
                     (r["step"], r["loss_scale"], r["skipped"])
                     for r in self.rows[-21:]
                     if r["step"] <= step
                 ],
             }
-            report = diagnostics.replay(
-                self.task, self.precision, window, self._to_device, row["loss_scale"]
-            )
-            self.nonfinite_report = diagnostics.full_report(info, report, self.precision.mode)
+            self.nonfinite_report = diagnostics.full_report(info, replayed, self.precision.mode)
             if self.dist.main:
                 path.write_text(dumps(self.nonfinite_report, indent=2) + "\n")
             first = self.nonfinite_report["forward"]["first_nonfinite"]
@@ -480,6 +526,7 @@ class Trainer:
     def summary(self, wall_time_s: float) -> dict:
         last = self.rows[-1]
         evals = [r for r in self.rows if "eval_loss" in r]
+        graphs, breaks = compile_counts()
         return {
             "steps": self.step,
             "skipped_steps": self.skipped_steps,
@@ -492,5 +539,7 @@ class Trainer:
             "peak_memory_mb": peak_memory_mb(self.device),
             "peak_reserved_mb": peak_reserved_mb(self.device),
             "wall_time_s": wall_time_s,
+            "compiled_graphs": graphs - self._compiled_before[0],
+            "graph_breaks": breaks - self._compiled_before[1],
             **(self.audit or {}),
         }

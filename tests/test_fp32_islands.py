@@ -38,7 +38,7 @@ def test_named_modules_run_in_fp32_and_the_rest_stays_autocast(mode, low):
     try:
         assert _output_dtypes(task, precision, batch) == {"net.0": low, "net.3": low}
         data, task = build(make_cfg(*TINY_MLP))
-        precision.keep_fp32(task, ["net.0"])
+        precision.prepare(task, ["net.0"])
         assert _output_dtypes(task, precision, batch) == {"net.0": torch.float32, "net.3": low}
         with precision.autocast():
             task(batch)

@@ -162,7 +162,7 @@ def test_a_fused_step_never_reads_the_device(monkeypatch, mode):
         with monkeypatch.context() as m:
             for name in ("item", "__bool__", "tolist"):
                 m.setattr(torch.Tensor, name, no_read)
-            result = precision.step([optimizer], model.parameters(), 1.0, loss=loss)
+            result = precision.step([optimizer], 1.0, loss=loss)
         optimizer.zero_grad()
         changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
         assert result.skipped.item() == float(poisoned)

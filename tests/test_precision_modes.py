@@ -38,15 +38,17 @@ def test_the_stage_switch_happens_exactly_at_the_configured_step(tmp_path):
     assert summary["precision"] == "staged" and summary["low_precision_flop_share"] > 0.9
 
 
-def test_switching_carries_creates_or_drops_the_grad_scaler():
-    p = _staged(("fp32", 2), ("fp16", 4), ("fp16", 6), ("bf16", None))
+def test_switching_carries_the_grad_scaler_across_other_stages():
+    p = _staged(("fp32", 2), ("fp16", 4), ("fp16", 6), ("bf16", 8), ("fp16", None))
     assert p.mode == "fp32" and p.scaler is None
     assert p.at_step(2) and p.mode == "fp16" and p.scaler is not None  # created
     first = p.scaler
     first.scale(torch.ones(()))  # the scale is made on first use
     first.update(new_scale=8.0)
     assert not p.at_step(4) and p.scaler is first and p.loss_scale == 8.0  # carried
-    assert p.at_step(6) and p.mode == "bf16" and p.scaler is None  # dropped
+    assert p.at_step(6) and p.mode == "bf16" and p.scaler is None  # dormant
+    assert p.state_dict()["scaler"]["scale"] == 8.0  # checkpointed while dormant
+    assert p.at_step(8) and p.mode == "fp16" and p.scaler is first and p.loss_scale == 8.0
     p.close()
 
 
@@ -68,7 +70,7 @@ def test_a_staged_run_resumes_in_its_stage_with_its_scaler(tmp_path):
     straight, resumed = load_last(tmp_path / "straight"), load_last(tmp_path / "resumed")
     for name, tensor in straight["model"].items():
         assert torch.equal(resumed["model"][name], tensor), name
-    assert resumed["scaler"] is None  # the bf16 stage has none
+    assert resumed["scaler"] == straight["scaler"]  # dormant in the bf16 stage, still saved
 
 
 @pytest.mark.parametrize(

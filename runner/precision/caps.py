@@ -1,0 +1,84 @@
+"""What a device can do natively, as far as precision is concerned, and the mode `auto` picks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def compute_mode(mode: str) -> str:
+    """The arithmetic a mode runs in: fp16_master computes in fp16."""
+    return "fp16" if mode == "fp16_master" else mode
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What a device can do natively, as far as precision is concerned."""
+
+    type: str  # "cpu" | "cuda" | "mps"
+    name: str
+    cuda_capability: tuple[int, int] | None = None
+    cpu_flags: frozenset[str] = frozenset()
+
+    @classmethod
+    def probe(cls, device: torch.device) -> DeviceCaps:
+        if device.type == "cuda":
+            return cls(
+                "cuda",
+                torch.cuda.get_device_name(device),
+                cuda_capability=torch.cuda.get_device_capability(device),
+            )
+        if device.type == "cpu":
+            return cls("cpu", _cpu_name(), cpu_flags=_cpu_flags())
+        return cls(device.type, device.type)
+
+    def support(self, mode: str) -> tuple[bool, str]:
+        """(native, why) for a mode on this device."""
+        if mode == "fp32":
+            return True, "fp32 runs everywhere"
+        if self.type == "cuda":
+            cc = self.cuda_capability or (0, 0)
+            need = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0)}[mode]
+            ok = cc >= need
+            return ok, (
+                f"{self.name} has compute capability {cc[0]}.{cc[1]}; "
+                f"{mode} tensor cores need ≥ {need[0]}.{need[1]}"
+            )
+        if self.type == "cpu":
+            if mode == "tf32":
+                return False, "CPUs have no TF32 units: tf32 matmuls run as fp32"
+            flags = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}[mode]
+            found = [f for f in flags if f in self.cpu_flags]
+            if found:
+                return True, f"CPU has {', '.join(f.upper() for f in found)}"
+            return False, f"CPU lacks {' and '.join(f.upper() for f in flags)}: {mode} is emulated"
+        return mode in ("fp16", "bf16"), f"{self.type} autocast"
+
+    def best_mode(self) -> tuple[str, str]:
+        """The mode `auto` picks: bf16 (no loss scaling needed) > fp16 > fp32."""
+        candidates = ("bf16", "fp16") if self.type == "cuda" else ("bf16",)
+        for mode in candidates:
+            native, why = self.support(mode)
+            if native:
+                return mode, why
+        return "fp32", f"no native low-precision support on {self.name}"
+
+
+def _cpuinfo(prefix: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(prefix):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or "CPU"

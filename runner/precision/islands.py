@@ -1,0 +1,53 @@
+"""fp32 islands (`precision.fp32_modules`): named submodules whose forward runs with autocast off
+and its floating inputs cast to fp32, in every mode, so a staged run, compile, DDP, FSDP and
+fp16_master all keep them fp32.
+
+The island is a wrapped forward rather than a pair of forward hooks: one `with` block that Dynamo
+traces, and that closes behind itself even when the forward raises."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from runner.errors import UserError
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _island(forward, device_type: str):
+    @functools.wraps(forward)
+    def fp32_forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, enabled=False):
+            return forward(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
+
+    fp32_forward.fp32_island = True
+    return fp32_forward
+
+
+def find(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
+    """The named submodules, or one clear error naming what the model does have."""
+    modules = dict(model.named_modules())
+    for name in names:
+        if name not in modules:
+            known = ", ".join(n for n in list(modules)[1:6])
+            raise UserError(
+                f"precision.fp32_modules: the model has no module {name!r} "
+                f"(names look like: {known}, ...)"
+            )
+    return [modules[name] for name in names]
+
+
+def keep_fp32(model: torch.nn.Module, names: Sequence[str], device_type: str) -> None:
+    """Wrap each named submodule's forward in an fp32 island (once: a second call is harmless)."""
+    for module in find(model, names):
+        if not getattr(module.forward, "fp32_island", False):
+            module.forward = _island(module.forward, device_type)
+
+
+def is_island(module: torch.nn.Module) -> bool:
+    return getattr(module.forward, "fp32_island", False)

@@ -1,0 +1,204 @@
+"""The precision in force: which mode runs (a fixed one, `auto`, or a `staged` schedule by
+optimizer step), its autocast context, its GradScaler, and the process-wide TF32 settings."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from runner.config import LOSS_SCALED_MODES
+from runner.errors import UserError
+from runner.precision import islands
+from runner.precision.caps import DeviceCaps, compute_mode
+from runner.precision.master import MasterWeights
+from runner.precision.step import StepResult, optimizer_step
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Precision:
+    """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
+    follows a `staged` schedule step by step, and keeps fp16_master's fp32 master weights.
+
+    The loop calls `autocast()`, `backward()` and `step()`; it never touches `torch.amp`."""
+
+    def __init__(
+        self,
+        cfg,
+        device: torch.device,
+        caps: DeviceCaps | None = None,
+        sharded: bool = False,
+        world: int = 1,
+    ):
+        """`sharded`: gradients are FSDP shards, so fp16 needs a scaler that agrees over ranks.
+        `world`: the ranks whose gradients fp16_master averages itself (it is not DDP-wrapped)."""
+        self.caps = caps or DeviceCaps.probe(device)
+        self.sharded, self.world = sharded, world
+        self.cfg = cfg
+        self.requested = cfg.mode
+        self.device = device
+        self.warnings: list[str] = []
+        plan = (
+            [(s.until_step, s.mode) for s in cfg.stages]
+            if cfg.mode == "staged"
+            else [(None, cfg.mode)]
+        )
+        # (until_step, mode, why) per stage; one stage unless staged
+        self.stages = [(until, *self._resolve(mode)) for until, mode in plan]
+        self.name = "staged" if cfg.mode == "staged" else self.stages[0][1]
+        # One scaler for the run, made when any stage scales the loss: between two fp16 stages it
+        # lies dormant (and is checkpointed), so the second resumes at the scale the first reached.
+        scaled = any(mode in LOSS_SCALED_MODES for _, mode, _ in self.stages)
+        self._scaler = self._make_scaler() if scaled else None
+        self.master = MasterWeights()
+        self._saved_matmul_precision = torch.get_float32_matmul_precision()
+        self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
+        self._no_scale = torch.ones((), device=device)
+        self.mode = ""
+        self._enter(*self.stages[0][1:])
+
+    def _resolve(self, mode: str) -> tuple[str, str]:
+        """(mode, why): `auto` decided, and a mode the device lacks refused or warned about."""
+        if mode == "auto":
+            return self.caps.best_mode()
+        native, why = self.caps.support(compute_mode(mode))
+        if not native:
+            # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
+            # On a GPU without the units the answer to "is it faster" is a foregone no.
+            if self.caps.type == "cuda" and not self.cfg.allow_emulated:
+                raise UserError(
+                    f"precision={mode} is not supported natively here: {why} "
+                    "(use precision=auto or fp32, or precision.allow_emulated=true)"
+                )
+            self.warnings.append(why)
+        return mode, why
+
+    def _make_scaler(self) -> torch.amp.GradScaler:
+        gs = self.cfg.grad_scaler
+        scaler = torch.amp.GradScaler
+        if self.sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as scaler
+        return scaler(
+            self.device.type,
+            init_scale=gs.init_scale,
+            growth_factor=gs.growth_factor,
+            backoff_factor=gs.backoff_factor,
+            growth_interval=gs.growth_interval,
+        )
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in force: only in loss-scaled modes."""
+        return self._scaler if self.mode in LOSS_SCALED_MODES else None
+
+    def _enter(self, mode: str, reason: str) -> None:
+        self.mode, self.reason = mode, reason
+        self.dtype = AUTOCAST_DTYPES.get(compute_mode(mode))
+        # Explicit either way: a previous stage or job in this process may have left "high".
+        tf32 = mode == "tf32"
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+
+    def at_step(self, step: int) -> bool:
+        """Enters the stage that covers the optimizer step after `step` steps; True if the mode
+        changed."""
+        _, mode, reason = next(st for st in self.stages if st[0] is None or step < st[0])
+        if mode == self.mode:
+            return False
+        self._enter(mode, reason)
+        return True
+
+    def close(self) -> None:
+        """Restore the process-wide matmul settings (a multirun runs many jobs in one process)."""
+        torch.set_float32_matmul_precision(self._saved_matmul_precision)
+        torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
+
+    def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
+        """Install the fp32 islands (in every mode: a later stage may autocast), then, for
+        fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32)."""
+        islands.keep_fp32(model, fp32_modules, self.device.type)
+        if self.mode == "fp16_master":
+            kept = {p for m in islands.find(model, fp32_modules) for p in m.parameters()}
+            self.master.prepare(model, kept)
+
+    def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
+        return self.master.optimizer_groups(groups)
+
+    @property
+    def peak_mode(self) -> str:
+        """The mode whose peak rate the device's MFU is measured against."""
+        return compute_mode(self.mode)
+
+    def memory(self, model: torch.nn.Module) -> dict:
+        return self.master.memory(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Wraps forward and loss only. Inputs stay fp32; weights stay fp32 (no .half())."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, losses: Sequence[torch.Tensor]) -> None:
+        """Outside autocast, once per micro-batch; each loss is scaled by the same factor."""
+        scaler = self.scaler
+        for loss in losses:
+            (scaler.scale(loss) if scaler else loss).backward()
+        self.master.accumulate()
+
+    def step(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        clip_val: float | None,
+        clip_algorithm: str = "norm",
+        loss: torch.Tensor | None = None,
+        clip_per_group: bool = True,
+    ) -> StepResult:
+        """unscale_ (once per optimizer) → grad norm → clip → step → update (once)."""
+        result = optimizer_step(
+            optimizers,
+            self.scaler,
+            clip_val,
+            clip_algorithm,
+            clip_per_group,
+            loss,
+            reduce=self._average_over_ranks if self.master and self.world > 1 else None,
+            no_scale=self._no_scale,
+        )
+        self.master.copy_back()
+        return result
+
+    def _average_over_ranks(self, grads: list[torch.Tensor]) -> None:
+        """fp16_master under several ranks: the fp32 gradients, averaged as DDP would."""
+        for grad in grads:  # fp32, whatever the weights are
+            dist.all_reduce(grad)
+        torch._foreach_div_(grads, self.world)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler else 1.0
+
+    def state_dict(self) -> dict:
+        """The scaler's state (also while dormant between fp16 stages), and fp16_master's fp32
+        weights (in the model's parameter order)."""
+        return {
+            "scaler": self._scaler.state_dict() if self._scaler else None,
+            **self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._scaler and state.get("scaler"):
+            self._scaler.load_state_dict(state["scaler"])
+        self.master.load_state_dict(state)
+
+    def describe(self) -> str:
+        if self.requested == "staged":
+            parts = [
+                f"{mode} until step {until}" if until is not None else f"then {mode}"
+                for until, mode, _ in self.stages
+            ]
+            return f"staged: {', '.join(parts)}"
+        text = self.mode if self.requested == self.mode else f"{self.requested} → {self.mode}"
+        return f"{text} ({self.reason})"

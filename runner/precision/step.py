@@ -1,0 +1,92 @@
+"""One optimizer step, in the order AMP needs: unscale → measure → clip → step → update.
+
+A step with inf/NaN gradients (or loss) changes no weight, in any optimizer: one flag decides for
+all. Fused optimizers get the flag as a tensor and skip on the device, so the step never waits for
+the device; others need it on the host (one read per step, as GradScaler itself reads it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. All tensors stay on the device: reading them is the trainer's
+    choice of when to wait for the device."""
+
+    grad_norm: torch.Tensor  # unscaled, before clipping
+    skipped: torch.Tensor  # 1.0 where the step changed no weight (non-finite loss or gradients)
+    loss_scale: torch.Tensor  # the scale the step's gradients were computed with (1.0: none)
+
+
+def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Fused optimizers take the skip flag as a tensor and skip on the device: no host read."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP shards: the norm over all of them."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def optimizer_step(
+    optimizers: Sequence[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    clip_val: float | None,
+    clip_algorithm: str = "norm",
+    clip_per_group: bool = True,
+    loss: torch.Tensor | None = None,
+    reduce: Callable[[list[torch.Tensor]], None] | None = None,
+    no_scale: torch.Tensor | None = None,
+) -> StepResult:
+    """`clip_per_group`: each optimizer's gradients are clipped by their own norm (a GAN's two
+    halves), as PyTorch's multi-optimizer AMP recipe does; the logged norm is over all of them.
+    `reduce`: averages the gradients over ranks first, where no DDP wrapper did."""
+    groups = [_params_with_grads(opt) for opt in optimizers]
+    if reduce is not None:
+        reduce([p.grad for params in groups for p in params])
+    if scaler:
+        for opt in optimizers:
+            scaler.unscale_(opt)
+    if not clip_per_group:
+        groups = [[p for params in groups for p in params]]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True) for ps in groups]
+    if clip_val is not None:
+        for params, norm in zip(groups, norms, strict=True):
+            if clip_algorithm == "norm":
+                torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm, foreach=True)
+            else:
+                torch.nn.utils.clip_grad_value_(params, clip_val, foreach=True)
+    full = [_full(n) for n in norms]
+    grad_norm = full[0] if len(full) == 1 else torch.linalg.vector_norm(torch.stack(full))
+    finite = torch.isfinite(grad_norm)
+    if loss is not None:
+        finite &= torch.isfinite(loss)
+    skipped = (~finite).float()
+    if all(steps_on_device(opt) for opt in optimizers):
+        for opt in optimizers:  # the protocol GradScaler uses with fused optimizers
+            opt.grad_scale, opt.found_inf = None, skipped
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+    elif finite.item():  # all optimizers step, or none: a GAN's two halves skip together
+        for opt in optimizers:
+            if scaler:
+                scaler.step(opt)
+            else:
+                opt.step()
+    if scaler:
+        loss_scale = scaler._get_scale_async().clone()  # update() changes it in place
+        scaler.update()  # backs the scale off if unscale_ found inf/NaN
+    else:
+        loss_scale = no_scale if no_scale is not None else torch.ones((), device=grad_norm.device)
+    return StepResult(grad_norm.detach(), skipped, loss_scale)
