@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from runner.cli import fail, informational, is_multirun, preflight, sweep_keys
 from runner.compare import CompareCallback
-from runner.errors import Preempted, UserError
+from runner.errors import Preempted, UserError, first_line
 from runner.tracking import SWEEP_KEYS_ENV
 
 
@@ -32,8 +32,7 @@ def job(cfg: DictConfig) -> float | None:
             raise
         # One failed job does not stop the sweep: its summary.json says why, and the comparison
         # at the end reports it (and the command exits non-zero).
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"error: job {HydraConfig.get().job.num} failed: {first}", file=sys.stderr)
+        print(f"error: job {HydraConfig.get().job.num} failed: {first_line(e)}", file=sys.stderr)
         return None
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from runner import console
-from runner.errors import UserError
+from runner.errors import UserError, first_line
 
 STEP_FILE = re.compile(r"step-(\d+)\.pt")
 
@@ -44,8 +44,7 @@ def load(path: Path) -> dict:
     except FileNotFoundError:
         raise UserError(f"checkpoint not found: {path}") from None
     except Exception as e:  # a truncated zip, or a payload weights_only refuses
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"checkpoint {path} cannot be loaded safely: {first}") from None
+        raise UserError(f"checkpoint {path} cannot be loaded safely: {first_line(e)}") from None
     if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
         raise UserError(f"checkpoint {path} is not an amp-runner checkpoint")
     return state

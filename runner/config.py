@@ -2,23 +2,26 @@
 
 The schemas live in Hydra's ConfigStore as `base_config`, so a misspelt key or a value of the
 wrong type fails at compose time with the key's name. Task-owned groups (model, dataset, optim)
-are free-form YAML with `_target_`.
+are free-form YAML with `_target_`: `validate` checks the optimizer and schedule keys the runner
+knows, and `runner.errors.building` turns the rest into one line when their constructor fails.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, ListConfig
 
 from runner.errors import UserError
 
 STAGE_MODES = ("fp32", "tf32", "fp16", "bf16", "auto")  # the modes a `staged` schedule can use
 PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master")
 LOSS_SCALED_MODES = ("fp16", "fp16_master")  # the modes that need a GradScaler
+SCHEDULE_DECAYS = ("cosine", "linear", "constant")
 
 
 @dataclass
@@ -137,6 +140,67 @@ def _validate_stages(stages) -> None:
             previous = stage.until_step
 
 
+def _number(value: Any) -> bool:
+    """A finite int or float: a typo arrives as a string (lr=abc), and a bool is an int."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _validate_optim(optim) -> None:
+    """The optimizer's keys where present (AdamW has betas, SGD has momentum), and the schedule
+    the runner reads. Here rather than at build time so that a sweep fails before its first job."""
+    for group in ("optimizer", "scheduler"):
+        node = optim.get(group)
+        _require(
+            isinstance(node, DictConfig),
+            f"optim.{group}",
+            node,
+            "must be a group of keys, as in conf/optim/adamw.yaml",
+        )
+    o, s = optim.optimizer, optim.scheduler
+    if "lr" in o:
+        _require(_number(o.lr) and o.lr > 0, "optim.optimizer.lr", o.lr, "must be a number > 0")
+    if "eps" in o:
+        _require(_number(o.eps) and o.eps > 0, "optim.optimizer.eps", o.eps, "must be a number > 0")
+    if "weight_decay" in o:
+        wd = o.weight_decay
+        _require(
+            _number(wd) and wd >= 0, "optim.optimizer.weight_decay", wd, "must be a number ≥ 0"
+        )
+    if "momentum" in o:
+        m = o.momentum
+        _require(
+            _number(m) and 0 <= m < 1, "optim.optimizer.momentum", m, "must be a number in [0, 1)"
+        )
+    if "betas" in o:
+        b = o.betas
+        _require(
+            isinstance(b, ListConfig) and len(b) == 2 and all(_number(x) and 0 <= x < 1 for x in b),
+            "optim.optimizer.betas",
+            b,
+            "must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]",
+        )
+    for key in ("decay", "warmup_steps", "min_lr_ratio"):
+        if key not in s:
+            raise UserError(f"optim.scheduler.{key} is required: the runner's schedule reads it")
+    _require(
+        s.decay in SCHEDULE_DECAYS,
+        "optim.scheduler.decay",
+        s.decay,
+        "allowed: " + ", ".join(SCHEDULE_DECAYS),
+    )
+    w = s.warmup_steps
+    _require(
+        isinstance(w, int) and not isinstance(w, bool) and w >= 0,
+        "optim.scheduler.warmup_steps",
+        w,
+        "must be an integer ≥ 0",
+    )
+    r = s.min_lr_ratio
+    _require(
+        _number(r) and 0 <= r <= 1, "optim.scheduler.min_lr_ratio", r, "must be a number in [0, 1]"
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than a type: ranges and choices. Raises UserError."""
     t, p = cfg.trainer, cfg.precision
@@ -219,3 +283,4 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
+    _validate_optim(cfg.optim)

@@ -1,5 +1,10 @@
 """Exceptions the entry point turns into a single line and a non-zero exit (no traceback)."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """Bad input from the user: a config value, a file, a device. The message is the whole story."""
@@ -19,3 +24,35 @@ class Preempted(Exception):
     def __init__(self, signal_name: str, step: int):
         super().__init__(f"preempted by {signal_name} at step {step}: checkpoint saved")
         self.signal_name, self.step = signal_name, step
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its type's name when it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+@contextmanager
+def building(key: str, node: Mapping) -> Iterator[None]:
+    """Turns a failure to build `key` (a config node with `_target_`) into one UserError line
+    that names the group, its target and the cause: task-owned groups have no schema, so a bad
+    value there first shows up as an exception from the constructor it is passed to."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        from hydra.errors import InstantiationException  # hydra is loaded by now
+
+        cause: BaseException = e
+        # Hydra wraps what the target raised (message: its repr and the full key), and a target
+        # it cannot import as "Error loading 'x':" and the ImportError: the cause is the part
+        # the user can act on.
+        while cause.__cause__ is not None and (
+            isinstance(cause, InstantiationException) or first_line(cause).endswith(":")
+        ):
+            cause = cause.__cause__
+        if isinstance(cause, UserError):  # the task's own check, already one clear line
+            raise cause from None
+        target = node.get("_target_") if isinstance(node, Mapping) else None
+        what = f"{key} ({target})" if target else key
+        raise UserError(f"cannot build {what} from the config: {first_line(cause)}") from cause

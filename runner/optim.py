@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from runner.errors import UserError
+from runner.errors import building
 
 
 def build_optimizer(cfg, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -17,7 +17,8 @@ def build_optimizer(cfg, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         {"params": [p for p in params if p.ndim >= 2]},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return instantiate(cfg.optimizer)([g for g in groups if g["params"]])
+    with building("optim.optimizer", cfg.optimizer):  # `_partial_`: the call raises, too
+        return instantiate(cfg.optimizer)([g for g in groups if g["params"]])
 
 
 def lr_factor(
@@ -34,14 +35,9 @@ def lr_factor(
 
 
 def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
-    """Advanced only on optimizer steps that were applied (not on steps the scaler skipped)."""
+    """Advanced only on optimizer steps that were applied (not on steps the scaler skipped).
+    The keys are checked by `runner.config.validate`."""
     s = cfg.scheduler
-    if s.decay not in ("cosine", "linear", "constant"):
-        raise UserError(
-            f"optim.scheduler.decay={s.decay!r} is invalid: allowed: cosine, linear, constant"
-        )
-    if s.warmup_steps < 0 or not 0 <= s.min_lr_ratio <= 1:
-        raise UserError("optim.scheduler: warmup_steps must be ≥ 0 and min_lr_ratio in [0, 1]")
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, max_steps, s.warmup_steps, s.decay, s.min_lr_ratio)
     )

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import checkpoint, console, distributed
 from runner.config import validate
-from runner.errors import Preempted, UserError
+from runner.errors import Preempted, UserError, building
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision
 from runner.task import DataModule, Task
@@ -55,14 +54,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build(cfg: DictConfig) -> tuple[DataModule, Task]:
-    """Dataset first (the model needs its vocabulary and shapes), then the model, on the CPU."""
-    try:
+    """Dataset first (the model needs its vocabulary and shapes), then the model, on the CPU.
+    A value the constructor cannot take is a UserError that names the group."""
+    with building("dataset", cfg.dataset):
         data = instantiate(cfg.dataset)
+    with building("model", cfg.model):
         task = instantiate(cfg.model, data=data)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, UserError):
-            raise e.__cause__ from None
-        raise
     return data, task
 
 

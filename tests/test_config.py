@@ -6,8 +6,10 @@ import pytest
 
 from runner.cli import expand, preflight
 from runner.config import validate
-from runner.errors import UserError
-from tests.helpers import make_cfg
+from runner.errors import UserError, first_line
+from runner.optim import build_optimizers
+from runner.run import build
+from tests.helpers import TINY_MLP, make_cfg
 
 
 @pytest.mark.parametrize(
@@ -89,3 +91,82 @@ def test_bert_base_has_the_real_size():
 
 def test_defaults_validate():
     validate(make_cfg())
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.optimizer.lr=abc", "optim.optimizer.lr='abc' is invalid: must be a number > 0"),
+        ("optim.optimizer.lr=-1", "optim.optimizer.lr=-1 is invalid: must be a number > 0"),
+        ("optim.optimizer.betas=5", "optim.optimizer.betas=5 is invalid: must be a list of two"),
+        ("optim.optimizer.betas=[0.9]", "optim.optimizer.betas=[0.9] is invalid"),
+        ("optim.optimizer.betas=[0.9,1.0]", "optim.optimizer.betas=[0.9, 1.0] is invalid"),
+        ("optim.optimizer.eps=0", "optim.optimizer.eps=0 is invalid: must be a number > 0"),
+        ("optim.optimizer.weight_decay=-0.1", "optim.optimizer.weight_decay=-0.1 is invalid"),
+        ("+optim.optimizer.momentum=1", "optim.optimizer.momentum=1 is invalid"),
+        (
+            "optim.scheduler.decay=step",
+            "optim.scheduler.decay='step' is invalid: allowed: cosine, linear, constant",
+        ),
+        ("optim.scheduler.warmup_steps=-1", "optim.scheduler.warmup_steps=-1 is invalid"),
+        ("optim.scheduler.min_lr_ratio=1.5", "optim.scheduler.min_lr_ratio=1.5 is invalid"),
+        ("~optim.scheduler.decay", "optim.scheduler.decay is required"),
+    ],
+)
+def test_validate_checks_the_optimizer_and_schedule_keys(override, message):
+    with pytest.raises(UserError) as err:
+        validate(make_cfg(override))
+    assert str(err.value).startswith(message)
+
+
+def test_validate_accepts_the_optimizer_keys_tests_and_models_use():
+    validate(make_cfg("optim.optimizer.lr=1e5", "optim.optimizer.weight_decay=0"))
+    validate(make_cfg("optim.optimizer.lr=1", "optim.scheduler.warmup_steps=0"))
+    validate(make_cfg("model=gan"))  # its own betas
+
+
+def test_a_bad_optimizer_key_in_a_sweep_fails_before_the_first_job():
+    with pytest.raises(UserError, match="optim.optimizer.lr='abc' is invalid"):
+        preflight(["-m", "optim.optimizer.lr=1e-3,abc", "model=mlp"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "model.hidden_size=abc",
+            "cannot build model (tasks.classification.MLPClassifier) from the config: empty()",
+        ),
+        (
+            "dataset.num_features=abc",
+            "cannot build dataset (tasks.classification.Blobs) from the config: 'str' object",
+        ),
+        # Hydra's "Error loading 'tasks.nope.Task':" is unwrapped to the ImportError under it.
+        (
+            "model._target_=tasks.nope.Task",
+            "cannot build model (tasks.nope.Task) from the config: No module named 'tasks.nope'",
+        ),
+        ("model.activation=relu", "model.activation='relu' is invalid"),  # the task's own line
+    ],
+)
+def test_a_value_the_constructor_rejects_is_one_line_naming_the_group(override, message):
+    with pytest.raises(UserError) as err:
+        build(make_cfg(*TINY_MLP, "dataset.num_samples=64", override))
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+
+
+def test_an_optimizer_the_config_cannot_build_is_one_line_naming_its_target():
+    cfg = make_cfg(*TINY_MLP, "dataset.num_samples=64", "optim.optimizer._target_=torch.optim.SGD")
+    _, task = build(cfg)
+    with pytest.raises(UserError) as err:
+        build_optimizers(cfg.optim, task.parameter_groups(), max_steps=2)
+    assert str(err.value) == (
+        "cannot build optim.optimizer (torch.optim.SGD) from the config: "
+        "SGD.__init__() got an unexpected keyword argument 'betas'"
+    )
+
+
+def test_first_line_falls_back_to_the_type_name():
+    assert first_line(ValueError("bad value\nmore detail")) == "bad value"
+    assert first_line(KeyError()) == "KeyError"

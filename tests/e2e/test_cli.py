@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import TINY_BERT, cli, read_metrics
+from tests.helpers import TINY_BERT, TINY_MLP, cli, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +73,16 @@ def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
             "error: dataset.data_files: no file found at '/no/such/corpus.txt'",
         ),
         (["trainer.device=cuda"], "error: trainer.device=cuda but CUDA is not available here"),
+        (
+            ["optim.optimizer.lr=abc"],
+            "error: optim.optimizer.lr='abc' is invalid: must be a number",
+        ),
+        (["optim.optimizer.betas=5"], "error: optim.optimizer.betas=5 is invalid: must be a list"),
+        # Past preflight: the task-owned model group has no schema, its constructor raises.
+        (
+            [*TINY_MLP, "trainer.max_steps=2", "model.hidden_size=abc"],
+            "error: cannot build model (tasks.classification.MLPClassifier) from the config: ",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
@@ -84,6 +94,23 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, args, message):
     assert errors == [errors[0]] and errors[0].startswith(message)
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_bad_optimizer_value_in_a_sweep_fails_before_any_job_runs(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "optim.optimizer.lr=1e-3,abc",  # the good job first: it must not run either
+        *TINY_MLP,
+        "trainer.max_steps=2",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: optim.optimizer.lr='abc' is invalid: must be a number > 0"]
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
 def test_doctor_reports_every_mode_and_a_recommendation(tmp_path):
