@@ -92,19 +92,35 @@ def find_resume(spec: str | None, run_dir: Path) -> tuple[Path, dict] | None:
     if spec != "auto":
         path = Path(spec).expanduser()
         return path, load(path)
+    # Newest first by file name alone, so that only one checkpoint is read when it is good
+    # (checkpoints can be gigabytes): last.pt, then step-N.pt by N descending. Shards
+    # (*.shardK.pt) match neither pattern and are read through their rank-0 file.
     folder = run_dir / "checkpoints"
-    candidates = [
-        p for p in folder.glob("*.pt") if p.name == "last.pt" or STEP_FILE.fullmatch(p.name)
-    ]
-    loaded = []
-    for path in candidates:
+    steps = sorted(
+        (
+            (int(m.group(1)), p)
+            for p in folder.glob("step-*.pt")
+            if (m := STEP_FILE.fullmatch(p.name))
+        ),
+        reverse=True,
+    )
+    last = [folder / "last.pt"] if (folder / "last.pt").exists() else []
+    found = _first_loading(last + [p for _, p in steps])
+    if found and found[0] in last:
+        # The trainer writes step-N.pt before last.pt, so a crash between the two leaves a step
+        # file newer than last.pt that the name order alone would miss: only then a second read.
+        return _first_loading([p for n, p in steps if n > found[1]["step"]]) or found
+    return found
+
+
+def _first_loading(paths: list[Path]) -> tuple[Path, dict] | None:
+    """The first of `paths` that loads, warning about the ones that do not."""
+    for path in paths:
         try:
-            loaded.append((path, load(path)))
+            return path, load(path)
         except UserError as e:
             console.say(f"[yellow]warning:[/] skipping {path.name}: {e}")
-    if not loaded:
-        return None
-    return max(loaded, key=lambda item: (item[1]["step"], item[0].name == "last.pt"))
+    return None
 
 
 def rng_state() -> dict:

@@ -50,13 +50,77 @@ def test_a_truncated_checkpoint_is_one_clear_error(trained):
         run(make_cfg(*SHORT, "trainer.max_steps=8", f"trainer.resume={path}"), trained)
 
 
-def test_resume_auto_skips_a_damaged_checkpoint_for_the_newest_valid_one(trained, capsys):
+def test_resume_auto_skips_a_damaged_checkpoint_for_the_newest_valid_one(
+    trained, capsys, counted_loads
+):
     (trained / "checkpoints" / "last.pt").write_bytes(b"garbage")
     (trained / "checkpoints" / "step-6.pt").write_bytes(b"")
     summary = run(make_cfg(*SHORT, "trainer.max_steps=8", "trainer.resume=auto"), trained)
-    assert "resumed from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resumed from" in err
+    assert "skipping last.pt" in err and "skipping step-6.pt" in err
+    assert counted_loads == ["last.pt", "step-6.pt", "step-4.pt"]  # step-2.pt is never read
     rows = read_metrics(trained)
     assert [r["step"] for r in rows] == list(range(1, 9)) and summary["steps"] == 8
+
+
+@pytest.fixture
+def counted_loads(monkeypatch):
+    """checkpoint.load, recording the name of every file it reads."""
+    real, names = checkpoint.load, []
+
+    def load(path):
+        names.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    return names
+
+
+def _write_checkpoints(folder, **steps: int) -> None:
+    """Small stand-ins for checkpoints: file stem (step_6 for step-6) → the step stored inside."""
+    for stem, step in steps.items():
+        path = folder / "checkpoints" / f"{stem.replace('_', '-')}.pt"
+        checkpoint.save(path, {"model": {}, "optimizer": {}, "step": step})
+
+
+def test_resume_auto_reads_only_the_newest_checkpoint_when_it_loads(tmp_path, counted_loads):
+    _write_checkpoints(tmp_path, last=12, step_8=8, step_10=10, step_12=12)
+    (tmp_path / "checkpoints" / "last.shard1.pt").write_bytes(b"garbage")
+    path, state = checkpoint.find_resume("auto", tmp_path)
+    assert path.name == "last.pt" and state["step"] == 12
+    assert counted_loads == ["last.pt"]
+
+
+def test_resume_auto_orders_step_files_by_number_and_skips_shards(tmp_path, counted_loads, capsys):
+    _write_checkpoints(tmp_path, step_2=2, step_9=9, step_10=10)
+    (tmp_path / "checkpoints" / "step-10.shard1.pt").write_bytes(b"garbage")
+    path, state = checkpoint.find_resume("auto", tmp_path)
+    assert path.name == "step-10.pt" and state["step"] == 10  # 10 after 9, not as text
+    assert counted_loads == ["step-10.pt"]
+    counted_loads.clear()
+    (tmp_path / "checkpoints" / "step-10.pt").write_bytes(b"")
+    path, state = checkpoint.find_resume("auto", tmp_path)
+    assert path.name == "step-9.pt" and state["step"] == 9
+    assert counted_loads == ["step-10.pt", "step-9.pt"]
+    assert "skipping step-10.pt" in capsys.readouterr().err
+
+
+def test_resume_auto_prefers_a_step_file_written_after_last(tmp_path, counted_loads):
+    """A crash between writing step-12.pt and last.pt leaves last.pt one checkpoint behind."""
+    _write_checkpoints(tmp_path, last=10, step_10=10, step_12=12)
+    path, state = checkpoint.find_resume("auto", tmp_path)
+    assert path.name == "step-12.pt" and state["step"] == 12
+    assert counted_loads == ["last.pt", "step-12.pt"]
+
+
+def test_resume_auto_with_nothing_that_loads_starts_fresh(tmp_path, counted_loads, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"garbage")
+    (tmp_path / "checkpoints" / "step-4.pt").write_bytes(b"")
+    assert checkpoint.find_resume("auto", tmp_path) is None
+    assert counted_loads == ["last.pt", "step-4.pt"]
+    assert "skipping step-4.pt" in capsys.readouterr().err
 
 
 class _Payload:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import torch
+
+from runner import telemetry
 from runner.precision import DeviceCaps
 from runner.run import run
-from runner.telemetry import peak_tflops
+from runner.telemetry import GPU_PEAK_TFLOPS, device_model, peak_tflops, utilisation
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
 STEP = ["trainer.max_steps=3", "trainer.val_check_interval=0"]
@@ -53,10 +57,182 @@ def test_mfu_is_achieved_over_peak(tmp_path):
 
 def test_gpu_peaks_come_from_the_datasheet_table(tmp_path):
     h200 = DeviceCaps("cuda", "NVIDIA H200", (9, 0))
-    assert peak_tflops(h200, "bf16", tmp_path) == 989
-    assert peak_tflops(h200, "tf32", tmp_path) == 494
+    assert peak_tflops(h200, "bf16", tmp_path) == 989.5  # 1979 with sparsity, halved
+    assert peak_tflops(h200, "tf32", tmp_path) == 494.5
     assert peak_tflops(DeviceCaps("cuda", "Tesla T4", (7, 5)), "bf16", tmp_path) is None
     assert peak_tflops(DeviceCaps("cuda", "Mystery GPU", (9, 0)), "fp16", tmp_path) is None
+
+
+# What torch.cuda.get_device_name() reports, and the datasheet model each one is.
+DEVICE_NAMES = [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM"),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe"),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe"),
+    ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA H200 NVL", "H200 NVL"),
+    ("NVIDIA B200", "B200"),
+    ("NVIDIA GB200", "GB200"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA L40", "L40"),
+    ("NVIDIA L40S", "L40S"),
+    ("NVIDIA A10", "A10"),
+    ("NVIDIA A10G", "A10G"),
+    ("Tesla T4", "T4"),
+    ("Tesla V100-SXM2-16GB", "V100 SXM"),
+    ("Tesla V100-SXM2-32GB", "V100 SXM"),
+    ("Tesla V100-PCIE-32GB", "V100 PCIe"),
+    ("NVIDIA GeForce RTX 3090", "RTX 3090"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ("NVIDIA GeForce RTX 5090", "RTX 5090"),
+    ("AMD Instinct MI300X", "MI300X"),
+]
+
+
+@pytest.mark.parametrize(("name", "model"), DEVICE_NAMES)
+def test_each_device_name_resolves_to_its_own_model(name, model, tmp_path):
+    assert device_model(name) == model
+    caps = DeviceCaps("cuda", name, (9, 0))
+    assert peak_tflops(caps, "fp32", tmp_path) == GPU_PEAK_TFLOPS[model]["fp32"]
+    assert peak_tflops(caps, "fp16", tmp_path) == GPU_PEAK_TFLOPS[model]["fp16"]
+
+
+def test_every_model_in_the_table_has_a_device_name_that_reaches_it():
+    assert {model for _, model in DEVICE_NAMES} == set(GPU_PEAK_TFLOPS)
+
+
+def test_a_name_that_contains_another_models_name_gets_its_own_peak(tmp_path):
+    def bf16(name: str) -> float | None:
+        return peak_tflops(DeviceCaps("cuda", name, (8, 9)), "bf16", tmp_path)
+
+    assert bf16("NVIDIA L40S") == 362.05
+    assert bf16("NVIDIA L40S") not in (
+        GPU_PEAK_TFLOPS["L4"]["bf16"],
+        GPU_PEAK_TFLOPS["L40"]["bf16"],
+    )
+    assert bf16("NVIDIA L40") == 181.05 != GPU_PEAK_TFLOPS["L4"]["bf16"]
+    assert bf16("NVIDIA H100 NVL") == 835.5 != GPU_PEAK_TFLOPS["H100 SXM"]["bf16"]
+    assert bf16("NVIDIA H200 NVL") == 835.5 != GPU_PEAK_TFLOPS["H200 SXM"]["bf16"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA RTX A6000",
+        "NVIDIA L4X",
+        "NVIDIA H100",  # no form factor and no HBM3: could be PCIe, SXM or NVL
+        "NVIDIA GH200 480GB",
+        "Tesla V100S-PCIE-32GB",
+        "NVIDIA GeForce RTX 4090 D",
+    ],
+)
+def test_an_unknown_device_gets_no_peak_and_a_note_not_a_neighbours_peak(name, tmp_path):
+    caps = DeviceCaps("cuda", name, (8, 6))
+    assert device_model(name) is None
+    assert all(peak_tflops(caps, mode, tmp_path) is None for mode in ("fp32", "bf16", "fp16"))
+    summary = {"flops_per_step": 2e12, "step_time_s": 0.5}
+    u = utilisation(summary, caps, "bf16", tmp_path)
+    assert u["achieved_tflops"] == 4 and u["peak_tflops"] is None and u["mfu"] is None
+    assert u["peak_note"] == f"no datasheet peak for {name}: MFU left out"
+
+
+def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp_path):
+    def peak(name: str, mode: str) -> float | None:
+        return peak_tflops(DeviceCaps("cuda", name, (9, 0)), mode, tmp_path)
+
+    assert peak("NVIDIA H100 80GB HBM3", "fp8") == 1979
+    assert peak("NVIDIA GeForce RTX 4090", "fp8") == 330.3  # with FP32 accumulate
+    assert peak("AMD Instinct MI300X", "fp8") == 2614.9
+    assert peak("NVIDIA A100-SXM4-80GB", "fp8") is None
+    assert peak("Tesla T4", "fp8") is None
+    assert peak("Tesla V100-SXM2-16GB", "bf16") is None
+    assert peak("Tesla V100-SXM2-16GB", "tf32") is None
+    u = utilisation(
+        {"flops_per_step": 1e12, "step_time_s": 1.0},
+        DeviceCaps("cuda", "NVIDIA A100-SXM4-80GB", (8, 0)),
+        "fp8",
+        tmp_path,
+    )
+    assert u["mfu"] is None and "no fp8 datasheet peak" in u["peak_note"]
+    u = utilisation(
+        {"flops_per_step": 989.5e12, "step_time_s": 2.0},
+        DeviceCaps("cuda", "NVIDIA H100 80GB HBM3", (9, 0)),
+        "fp8",
+        tmp_path,
+    )
+    assert u["peak_tflops"] == 1979 and u["mfu"] == pytest.approx(0.25) and "peak_note" not in u
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """The real matmul measurement, made small, counting its calls."""
+    real, calls = telemetry._measure_matmul_tflops, []
+
+    def measure(dtype):
+        calls.append(dtype)
+        return real(dtype, n=64, runs=3, seconds=0.01)
+
+    monkeypatch.setattr(telemetry, "_measure_matmul_tflops", measure)
+    return calls
+
+
+CPU = DeviceCaps("cpu", "Test CPU @ 1.0GHz")
+
+
+def _cache_key(dtype: torch.dtype) -> str:
+    return f"{CPU.name}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+
+
+def test_the_cpu_ceiling_is_cached_with_its_conditions_and_reused(tmp_path, counted_measure):
+    peak = peak_tflops(CPU, "fp32", tmp_path)
+    assert len(counted_measure) == 1
+    entry = json.loads((tmp_path / "cpu_peak_tflops.json").read_text())[_cache_key(torch.float32)]
+    assert entry["cpu"] == CPU.name and entry["threads"] == torch.get_num_threads()
+    assert entry["torch"] == torch.__version__ and entry["dtype"] == "float32"
+    assert entry["n"] == 64 and entry["runs"] == 3 and entry["measured_at"]
+    assert peak == entry["tflops"] >= entry["median_tflops"] > 0
+    assert peak_tflops(CPU, "fp32", tmp_path) == peak
+    assert peak_tflops(CPU, "tf32", tmp_path) == peak  # a CPU has no TF32: the fp32 ceiling
+    assert len(counted_measure) == 1
+    peak_tflops(CPU, "bf16", tmp_path)  # another dtype is measured on its own
+    assert counted_measure == [torch.float32, torch.bfloat16]
+
+
+def test_another_thread_count_measures_the_cpu_again(tmp_path, counted_measure, monkeypatch):
+    peak_tflops(CPU, "fp32", tmp_path)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    peak_tflops(CPU, "fp32", tmp_path)
+    assert len(counted_measure) == 2
+    cache = json.loads((tmp_path / "cpu_peak_tflops.json").read_text())
+    assert sorted(e["threads"] for e in cache.values()) == [threads, threads + 1]
+
+
+@pytest.mark.parametrize("stale", ['{"%s": 123.0}', "{not json"])
+def test_an_old_bare_float_or_damaged_cache_is_measured_again(tmp_path, counted_measure, stale):
+    path = tmp_path / "cpu_peak_tflops.json"
+    path.write_text(stale.replace("%s", _cache_key(torch.float32)))
+    peak = peak_tflops(CPU, "fp32", tmp_path)
+    assert len(counted_measure) == 1 and peak != 123.0
+    assert json.loads(path.read_text())[_cache_key(torch.float32)]["tflops"] == peak
+
+
+def test_a_cpu_has_no_fp8_ceiling(tmp_path, counted_measure):
+    u = utilisation({"flops_per_step": 1e9, "step_time_s": 0.1}, CPU, "fp8", tmp_path)
+    assert u["mfu"] is None and "no fp8 matmul ceiling" in u["peak_note"]
+    assert counted_measure == []
+
+
+def test_the_real_matmul_measurement_is_the_best_of_its_runs():
+    m = telemetry._measure_matmul_tflops(torch.float32, n=32, runs=4, seconds=0.005)
+    assert m["runs"] == 4 and m["n"] == 32 and m["seconds_per_run"] == 0.005
+    assert m["tflops"] >= m["median_tflops"] > 0
+    # A spent budget (slow emulated matmuls) still leaves two runs to take the best of.
+    m = telemetry._measure_matmul_tflops(torch.float32, n=32, runs=5, seconds=0.005, budget_s=0)
+    assert m["runs"] == 2
 
 
 def test_speed_figures_leave_out_the_warm_up_and_flag_an_input_bound_run(tmp_path, capsys):
