@@ -49,6 +49,9 @@ class PrecisionConfig:
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
     # their inputs cast to fp32: for sensitive layers and ops that only support fp32.
     fp32_modules: list[str] = field(default_factory=list)
+    # The dtype gradients are averaged over ranks in (DDP and FSDP): fp32, or bf16 (half the
+    # traffic, rounded sums).
+    reduce_dtype: str = "fp32"
 
 
 @dataclass
@@ -63,6 +66,8 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = 1.0
     gradient_clip_algorithm: str = "norm"
+    # Several optimizers (a GAN): clip each one's gradients by their own norm, not all together.
+    gradient_clip_per_group: bool = True
     log_every_n_steps: int = 10
     val_check_interval: int = 100
     limit_val_batches: int = 10
@@ -258,6 +263,12 @@ def validate(cfg: DictConfig) -> None:
     )
     if p.mode == "staged":
         _validate_stages(p.stages)
+    _require(
+        p.reduce_dtype in ("fp32", "bf16"),
+        "precision.reduce_dtype",
+        p.reduce_dtype,
+        "allowed: fp32, bf16",
+    )
     gs = p.grad_scaler
     _require(gs.init_scale > 0, "precision.grad_scaler.init_scale", gs.init_scale, "must be > 0")
     _require(

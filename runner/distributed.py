@@ -145,10 +145,19 @@ def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.d
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
     in_islands = {id(m) for i in task.modules() if is_island(i) for m in list(i.modules())[1:]}
+    # A module whose weight is tied to another's (BERT's word embeddings and its MLM decoder)
+    # stays in its parent's unit: one parameter cannot live in two FSDP groups.
+    owners: dict[int, int] = {}
+    for module in task.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
     if low is not None:
         for module in reversed(list(task.modules())[1:]):  # children before their parents
-            if id(module) not in in_islands and (
-                is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST)
+            tied = any(owners[id(p)] > 1 for p in module.parameters())
+            if (
+                not tied
+                and id(module) not in in_islands
+                and (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
             ):
                 fully_shard(module, mp_policy=fp32)
     for unit in task.shard_units():

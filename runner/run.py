@@ -104,7 +104,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
         sharded = ranks.enabled and cfg.trainer.strategy == "fsdp"
-        precision = Precision(cfg.precision, device, caps, sharded=sharded)
+        precision = Precision(cfg.precision, device, caps, sharded=sharded, world=ranks.world)
         console.say(f"precision: {precision.describe()}")
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
@@ -123,8 +123,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         task.to(device)
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)
-        precision.keep_fp32(task, cfg.precision.fp32_modules)  # checks the names, too
-        precision.prepare(task, cfg.precision.fp32_modules)
+        precision.prepare(task, cfg.precision.fp32_modules)  # islands; fp16_master's masters
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)

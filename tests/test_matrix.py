@@ -1,0 +1,177 @@
+"""The pairwise feature matrix: every pair of {precision} × {compile} × {fp32 island} ×
+{accumulation} × {single process, DDP, FSDP} runs together in at least one tiny run, and each run
+checks what its options promise: graphs compiled when compile is on, the island in fp32 (its
+module refuses to run otherwise), a finite loss with no skipped step, the loss scale where fp16
+scales (carried across a staged run's bf16 stage), and fp32 runs that match the single-process
+reference step for step (the same global batch of 16 in every run)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from runner.run import run
+from tasks.classification import MLPClassifier
+from tests.helpers import TINY_MLP, make_cfg, read_metrics
+from tests.test_distributed import WORLD, run_ranks
+
+GLOBAL_BATCH = 16
+STEPS = 6
+INIT_SCALE = 1024.0
+# fp16 → bf16 → fp16: the scaler must carry its scale across the bf16 stage
+STAGES = "precision.stages=[{mode:fp16,until_step:2},{mode:bf16,until_step:4},{mode:fp16}]"
+
+# (precision, strategy, compile, island, accumulate): all pairs of values covered in 14 runs
+# (fp16_master with FSDP is refused: FSDP's fp32 shards are already the master weights).
+MATRIX = [
+    ("fp32", "single", False, False, 1),
+    ("fp32", "ddp", True, True, 1),
+    ("fp32", "fsdp", False, True, 2),
+    ("bf16", "single", True, True, 2),
+    ("bf16", "ddp", False, False, 2),
+    ("bf16", "fsdp", True, False, 1),
+    ("fp16", "single", False, True, 1),
+    ("fp16", "ddp", True, False, 2),
+    ("fp16", "fsdp", True, True, 2),
+    ("staged", "single", True, False, 2),
+    ("staged", "ddp", False, True, 2),
+    ("staged", "fsdp", False, False, 1),
+    ("fp16_master", "single", True, True, 1),
+    ("fp16_master", "ddp", False, False, 2),
+]
+
+
+class Fp32Island(nn.Linear):
+    """A Linear that refuses to run anywhere but in an fp32 island: autocast off, fp32 input,
+    fp32 weight (under FSDP: gathered in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            torch.is_autocast_enabled(x.device.type)
+            or x.dtype != torch.float32
+            or self.weight.dtype != torch.float32
+        ):
+            raise AssertionError("net.0 ran outside its fp32 island")
+        return super().forward(x)
+
+
+class IslandMLP(MLPClassifier):
+    """The MLP whose first layer checks that it runs as an fp32 island."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        first = self.net[0]
+        self.net[0] = Fp32Island(first.in_features, first.out_features)
+        self.net[0].load_state_dict(first.state_dict())
+
+
+def _overrides(precision, strategy, compiled, island, accumulate) -> list[str]:
+    world = 1 if strategy == "single" else WORLD
+    out = [
+        *TINY_MLP,
+        f"precision={precision}",
+        f"trainer.compile={str(compiled).lower()}",
+        f"trainer.accumulate_grad_batches={accumulate}",
+        f"dataset.batch_size={GLOBAL_BATCH // world // accumulate}",
+        f"trainer.max_steps={STEPS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=0",
+        "model.dropout=0",
+        "optim.scheduler.decay=constant",
+        "optim.optimizer.eps=1e-4",  # Adam keeps rounding noise a rounding error
+        f"precision.grad_scaler.init_scale={INIT_SCALE}",
+        "precision.grad_scaler.growth_interval=1",  # the scale doubles on every applied step
+    ]
+    if strategy != "single":
+        out.append(f"trainer.strategy={strategy}")
+    if precision == "staged":
+        out.append(STAGES)
+    if island:
+        out += ["model._target_=tests.test_matrix.IslandMLP", "precision.fp32_modules=[net.0]"]
+    return out
+
+
+def _name(row) -> str:
+    precision, strategy, compiled, island, accumulate = row
+    return (
+        f"{precision}-{strategy}-{'compiled' if compiled else 'eager'}-"
+        f"{'island' if island else 'noisland'}-acc{accumulate}"
+    )
+
+
+def _expected_scales(precision: str) -> list[float] | None:
+    """The loss scale each step ran with: it doubles after every fp16 step."""
+    modes = {
+        "fp16": ["fp16"] * STEPS,
+        "fp16_master": ["fp16"] * STEPS,
+        "staged": ["fp16", "fp16", "bf16", "bf16", "fp16", "fp16"],
+    }.get(precision)
+    if modes is None:
+        return None
+    scales, scale = [], INIT_SCALE
+    for mode in modes:
+        scales.append(scale if mode == "fp16" else 1.0)
+        scale *= 2 if mode == "fp16" else 1
+    return scales
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(tmp_path_factory):
+    """Runs the whole matrix once: single-process rows here, distributed rows in one pair of
+    rank processes (one start-up for all of them)."""
+    root = tmp_path_factory.mktemp("matrix")
+    summaries = {}
+    for row in MATRIX:
+        if row[1] == "single":
+            summaries[row] = run(make_cfg(*_overrides(*row)), root / _name(row))
+    run_ranks([(_overrides(*row), root / _name(row)) for row in MATRIX if row[1] != "single"])
+    import json
+
+    for row in MATRIX:
+        if row[1] != "single":
+            summaries[row] = json.loads((root / _name(row) / "summary.json").read_text())
+    return root, summaries
+
+
+@pytest.mark.parametrize("row", MATRIX, ids=[_name(r) for r in MATRIX])
+def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
+    precision, strategy, compiled, island, accumulate = row
+    root, summaries = matrix_runs
+    summary, rows = summaries[row], read_metrics(root / _name(row))
+    assert summary["status"] == "completed"
+    assert summary["world_size"] == (1 if strategy == "single" else WORLD)
+    assert summary["skipped_steps"] == 0 and all(math.isfinite(r["loss"]) for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    if compiled:
+        assert summary["compiled_graphs"] >= 1, "compile on, nothing compiled"
+    else:
+        assert summary["compiled_graphs"] == 0
+    if island and precision != "fp32":  # the audited first step ran net.0's matmuls in fp32
+        assert summary["fp32_ops"], summary
+    expected = _expected_scales(precision)
+    if expected is not None:
+        assert [r["loss_scale"] for r in rows] == expected
+    if precision == "staged":
+        assert [r["precision"] for r in rows] == ["fp16"] * 2 + ["bf16"] * 2 + ["fp16"] * 2
+    if precision == "fp32":  # the math says every fp32 run equals the reference
+        reference = read_metrics(root / _name(MATRIX[0]))
+        for got, want in zip(rows, reference, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+
+def test_the_matrix_covers_every_pair():
+    values = [sorted({r[i] for r in MATRIX}, key=str) for i in range(5)]
+    for i in range(5):
+        for j in range(i + 1, 5):
+            seen = {(r[i], r[j]) for r in MATRIX}
+            missing = [
+                (a, b)
+                for a in values[i]
+                for b in values[j]
+                if (a, b) not in seen and (a, b) != ("fp16_master", "fsdp")
+            ]
+            assert not missing, (i, j, missing)
