@@ -151,15 +151,16 @@ def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.d
     for module in task.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    apart = [
+        module
+        for module in reversed(list(task.modules())[1:])  # children before their parents
+        if (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
+        and id(module) not in in_islands
+        and all(owners[id(p)] == 1 for p in module.parameters())
+    ]
     if low is not None:
-        for module in reversed(list(task.modules())[1:]):  # children before their parents
-            tied = any(owners[id(p)] > 1 for p in module.parameters())
-            if (
-                not tied
-                and id(module) not in in_islands
-                and (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
-            ):
-                fully_shard(module, mp_policy=fp32)
+        for module in apart:
+            fully_shard(module, mp_policy=fp32)
     for unit in task.shard_units():
         if id(unit) not in in_islands:
             fully_shard(unit, mp_policy=policy)

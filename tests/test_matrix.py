@@ -21,8 +21,13 @@ from tests.test_distributed import WORLD, run_ranks
 GLOBAL_BATCH = 16
 STEPS = 6
 INIT_SCALE = 1024.0
-# fp16 → bf16 → fp16: the scaler must carry its scale across the bf16 stage
-STAGES = "precision.stages=[{mode:fp16,until_step:2},{mode:bf16,until_step:4},{mode:fp16}]"
+# fp32 → fp16 → bf16 → fp16: islands hold in stages after a first one that does not autocast,
+# and the scaler carries its scale across the bf16 stage
+STAGE_MODES = ["fp32", "fp16", "fp16", "bf16", "fp16", "fp16"]  # by step
+STAGES = (
+    "precision.stages=[{mode:fp32,until_step:1},{mode:fp16,until_step:3},"
+    "{mode:bf16,until_step:4},{mode:fp16}]"
+)
 
 # (precision, strategy, compile, island, accumulate): all pairs of values covered in 14 runs
 # (fp16_master with FSDP is refused: FSDP's fp32 shards are already the master weights).
@@ -107,7 +112,7 @@ def _expected_scales(precision: str) -> list[float] | None:
     modes = {
         "fp16": ["fp16"] * STEPS,
         "fp16_master": ["fp16"] * STEPS,
-        "staged": ["fp16", "fp16", "bf16", "bf16", "fp16", "fp16"],
+        "staged": STAGE_MODES,
     }.get(precision)
     if modes is None:
         return None
@@ -155,7 +160,7 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
     if expected is not None:
         assert [r["loss_scale"] for r in rows] == expected
     if precision == "staged":
-        assert [r["precision"] for r in rows] == ["fp16"] * 2 + ["bf16"] * 2 + ["fp16"] * 2
+        assert [r["precision"] for r in rows] == STAGE_MODES
     if precision == "fp32":  # the math says every fp32 run equals the reference
         reference = read_metrics(root / _name(MATRIX[0]))
         for got, want in zip(rows, reference, strict=True):
