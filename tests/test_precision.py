@@ -243,3 +243,20 @@ def test_checkpoint_carries_the_loss_scale(tmp_path):
     restored = _precision("fp16")
     restored.load_state_dict({"scaler": saved["scaler"]})
     assert restored.loss_scale == summary["final_loss_scale"] != 65536.0
+
+
+@pytest.mark.parametrize("per_group", [True, False])
+def test_several_optimizers_clip_each_by_its_own_norm(per_group):
+    """trainer.gradient_clip_per_group (a GAN's two halves): a huge gradient in one group does
+    not shrink the other's; all together, both are scaled by the one total norm."""
+    big, small = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    big.grad, small.grad = torch.full((3,), 100.0), torch.full((3,), 0.1)
+    optimizers = [torch.optim.SGD([big], lr=1.0), torch.optim.SGD([small], lr=1.0)]
+    precision = _precision("fp32")
+    result = precision.step(optimizers, 1.0, clip_per_group=per_group)
+    total = torch.cat([torch.full((3,), 100.0), torch.full((3,), 0.1)]).norm()
+    assert result.grad_norm.item() == pytest.approx(total.item())  # logged: over all groups
+    assert big.grad.norm().item() == pytest.approx(1.0, rel=1e-4)
+    expected_small = 0.1 * 3**0.5 if per_group else 0.1 * 3**0.5 / total.item()
+    assert small.grad.norm().item() == pytest.approx(expected_small, rel=1e-4)
+    precision.close()

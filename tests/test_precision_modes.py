@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.config import PrecisionConfig, StageConfig
+from runner.config import GradScalerConfig, PrecisionConfig, StageConfig
 from runner.errors import UserError
 from runner.precision import Precision
 from runner.run import run
@@ -165,3 +165,39 @@ def test_fp16_master_leaves_fp32_islands_in_fp32(tmp_path):
     model = load_last(tmp_path)["model"]
     assert model["model.cls.predictions.transform.dense.weight"].dtype == torch.float32
     assert model["model.bert.encoder.layer.0.output.dense.weight"].dtype == torch.float16
+
+
+def _fp16_master() -> Precision:
+    cfg = PrecisionConfig(mode="fp16_master", grad_scaler=GradScalerConfig(init_scale=1.0))
+    return Precision(OmegaConf.structured(cfg), torch.device("cpu"))
+
+
+def test_fp16_master_accumulates_micro_batches_in_fp32():
+    """1 + 1e-4 is 1 in fp16 (its spacing at 1 is 1e-3): summed in fp16 the second micro-batch's
+    gradient would vanish; the fp32 master gradient keeps it."""
+    p = _fp16_master()
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    p.prepare(model)
+    for contribution in (1.0, 1e-4):  # d(loss)/d(weight) = contribution for an input of 1
+        with p.autocast():
+            loss = model(torch.full((1, 1), contribution)).float().sum()
+        p.backward([loss])
+        assert model.weight.grad is None  # moved into the fp32 master gradient
+    (master,) = p.master.masters.values()
+    assert master.grad.dtype == torch.float32
+    assert master.grad.item() == pytest.approx(1.0001, rel=1e-5)
+    p.close()
+
+
+def test_fp16_master_keeps_rmsnorm_fp32_and_gives_frozen_weights_no_master():
+    p = _fp16_master()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RMSNorm(4), torch.nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)
+    p.prepare(model)
+    assert model[1].weight.dtype == torch.float32  # the norm stays fp32
+    assert model[0].weight.dtype == model[2].weight.dtype == torch.float16
+    masters = p.master.masters
+    assert model[0].weight in masters and model[2].weight not in masters  # frozen: no copy
+    assert model[2].bias in masters
+    p.close()
