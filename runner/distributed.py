@@ -124,10 +124,21 @@ def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch
 
     ddp = DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
     if reduce_dtype == torch.bfloat16:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
-        ddp.register_comm_hook(None, bf16_compress_hook)
+        ddp.register_comm_hook(None, _bf16_average)
     return ddp
+
+
+def _bf16_average(group, bucket):
+    """A DDP comm hook: the bucket's gradients averaged over ranks in bf16 (half the traffic),
+    on any backend (PyTorch's own bf16 hook needs NCCL)."""
+    group = group or dist.group.WORLD
+    low = bucket.buffer().div(dist.get_world_size(group)).bfloat16()
+    future = dist.all_reduce(low, group=group, async_op=True).get_future()
+
+    def back(done):
+        return bucket.buffer().copy_(done.value()[0])
+
+    return future.then(back)
 
 
 # Under autocast these keep fp32 weights (autocast only casts matmul-like ops), so FSDP gathers
@@ -136,35 +147,33 @@ FP32_UNDER_AUTOCAST = (*NORM_LAYERS, torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
 def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
-    """FSDP2: each of the task's shard units, then the whole, gathering parameters in the mode's
-    low precision (`low`; fixed at wrap time, so a staged run gathers fp32 and autocasts).
-    Norm layers, embeddings and fp32 islands are sharded apart first, with fp32 parameters, as
-    autocast would keep them; a shard unit inside an island is left to the island."""
+    """FSDP2 with the numerics of DDP under autocast. The task's shard units (its big blocks)
+    gather their parameters in the mode's low precision (`low`, fixed at wrap time: a staged run
+    gathers fp32 and autocasts), as autocast would cast them for their matmuls; inside them,
+    norm layers, embeddings and fp32 islands are sharded apart first, in fp32. The root unit
+    (embeddings, heads, tied weights, islands outside the blocks) gathers fp32 and lets autocast
+    cast per op. A shard unit inside an island belongs to the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce_dtype)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+    # Inputs are left as they come: autocast casts per op, and a residual stream stays fp32.
+    fp32, low_policy = (
+        MixedPrecisionPolicy(dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+        for dtype in (torch.float32, low)
+    )
     in_islands = {id(m) for i in task.modules() if is_island(i) for m in list(i.modules())[1:]}
-    # A module whose weight is tied to another's (BERT's word embeddings and its MLM decoder)
-    # stays in its parent's unit: one parameter cannot live in two FSDP groups.
-    owners: dict[int, int] = {}
-    for module in task.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    apart = [
-        module
-        for module in reversed(list(task.modules())[1:])  # children before their parents
-        if (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
-        and id(module) not in in_islands
-        and all(owners[id(p)] == 1 for p in module.parameters())
-    ]
+    units = [u for u in task.shard_units() if id(u) not in in_islands]
+    inside = {id(m) for u in units for m in list(u.modules())[1:]}
     if low is not None:
-        for module in apart:
-            fully_shard(module, mp_policy=fp32)
-    for unit in task.shard_units():
-        if id(unit) not in in_islands:
-            fully_shard(unit, mp_policy=policy)
-    fully_shard(task, mp_policy=policy)
+        for module in reversed(list(task.modules())):  # children before their parents
+            if (
+                id(module) in inside
+                and id(module) not in in_islands
+                and (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
+            ):
+                fully_shard(module, mp_policy=fp32)
+    for unit in units:
+        fully_shard(unit, mp_policy=low_policy)
+    fully_shard(task, mp_policy=fp32)
 
 
 @contextlib.contextmanager

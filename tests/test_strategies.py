@@ -1,0 +1,39 @@
+"""Several ranks change how a step is computed, never what it computes: FSDP runs the numerics
+of DDP for the same precision mode, and `precision.reduce_dtype` is honoured by both."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import TINY_BERT, read_metrics
+from tests.test_distributed import run_ranks
+
+STEPS = [
+    *TINY_BERT,
+    "dataset.batch_size=4",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=0",
+    "optim.optimizer.eps=1e-4",
+]
+
+
+def test_fsdp_trains_like_ddp_in_bf16_and_reduce_dtype_is_honoured(tmp_path):
+    """BERT has LayerNorms inside its shard units and word embeddings tied to the MLM decoder:
+    FSDP keeps both fp32 as autocast does under DDP, so the two strategies agree to rounding."""
+    bf16 = [*STEPS, "precision=bf16"]
+    jobs = {
+        "ddp": [*bf16, "trainer.strategy=ddp"],
+        "fsdp": [*bf16, "trainer.strategy=fsdp"],
+        "ddp_bf16_reduce": [*bf16, "trainer.strategy=ddp", "precision.reduce_dtype=bf16"],
+        "fsdp_bf16_reduce": [*bf16, "trainer.strategy=fsdp", "precision.reduce_dtype=bf16"],
+    }
+    run_ranks([(overrides, tmp_path / name) for name, overrides in jobs.items()])
+    rows = {name: read_metrics(tmp_path / name) for name in jobs}
+    for a, b in zip(rows["ddp"], rows["fsdp"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for strategy in ("ddp", "fsdp"):  # bf16 sums round: close to fp32's, but not equal
+        grads = [r["grad_norm"] for r in rows[strategy]]
+        rounded = [r["grad_norm"] for r in rows[f"{strategy}_bf16_reduce"]]
+        assert rounded == pytest.approx(grads, rel=2e-2) and rounded != grads
