@@ -1,10 +1,12 @@
 """Benchmarks (they print figures, they assert nothing): two parts, measured in one process.
 
-1. The precision table: the runner's training step in fp32, tf32, fp16 and bf16 for BERT, ResNet
-   and GPT: samples/s and the speedup over fp32 (plus peak memory on CUDA).
-2. Runner against a bare loop: `Trainer.train_step([batch])` against the textbook loop
+1. The precision table: the runner's training steps (through `Trainer.fit`, as a run takes them)
+   in fp32, tf32, fp16 and bf16 for BERT, ResNet and GPT: samples/s and the speedup over fp32
+   (plus peak memory on CUDA).
+2. Runner against a bare loop: the runner through `Trainer.fit` against the textbook loop
    (autocast → loss / targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same
-   model, initial weights and batches, fp32 and bf16.
+   model, initial weights and data, fp32 and bf16; with `--compile`, each side's count of
+   compiled graphs.
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
@@ -39,7 +41,7 @@ from runner.precision import DeviceCaps, Precision
 from runner.run import build, resolve_device, seed_everything
 from runner.task import Batch, DataModule, Task
 from runner.tracking import RunLog
-from runner.trainer import Trainer
+from runner.trainer import Trainer, compile_counts
 
 OVERRIDES = [
     "model=bert",
@@ -54,6 +56,7 @@ OVERRIDES = [
 MODES = ("fp32", "bf16")  # the bare loop has no GradScaler, and tf32 is a global switch
 
 Step = Callable[[Batch], object]
+Timer = Callable[[], float]  # one timing: samples/s
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -63,16 +66,36 @@ def compose_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def runner_step(
-    cfg: DictConfig, task: Task, data: DataModule, precision: Precision, log: RunLog
-) -> Step:
-    """A Trainer wired as `runner.run.run` wires it."""
+def runner_timer(
+    cfg: DictConfig,
+    task: Task,
+    data: DataModule,
+    precision: Precision,
+    log: RunLog,
+    warmup: int,
+    steps: int,
+) -> Timer:
+    """Times the runner through `Trainer.fit`, wired as `runner.run.run` wires it: each call fits
+    `warmup` more steps (the first call's first step is the eager precision audit), then `steps`
+    timed ones in one logging interval, and returns the trainer's own samples/s for them."""
     groups = precision.optimizer_groups(task.parameter_groups())
     optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
-    trainer = Trainer(
-        cfg.trainer, task, data, precision, optimizers, schedulers, log, precision.device
+    timing = OmegaConf.merge(
+        cfg.trainer,
+        {
+            "log_every_n_steps": steps,
+            "val_check_interval": 0,
+            "progress_bar": False,
+            "benchmark": {"warmup_steps": warmup},
+        },
     )
-    return lambda batch: trainer.train_step([batch])
+    trainer = Trainer(timing, task, data, precision, optimizers, schedulers, log, precision.device)
+
+    def fit() -> float:
+        timing.max_steps = trainer.step + warmup + steps
+        return trainer.fit()["samples_per_s"]
+
+    return fit
 
 
 def bare_step(task: Task, mode: str, device: torch.device, lr: float) -> Step:
@@ -95,7 +118,7 @@ def bare_step(task: Task, mode: str, device: torch.device, lr: float) -> Step:
 def samples_per_s(
     step: Step, batches: list[Batch], warmup: int, batch_size: int, device: torch.device
 ) -> float:
-    """Runs `warmup` untimed steps, then times the rest of `batches`."""
+    """The bare loop: runs `warmup` untimed steps, then times the rest of `batches`."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -125,7 +148,7 @@ def runner_vs_bare(args) -> None:
     with ExitStack() as stack:
         log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
         stack.callback(log.finish, {})
-        steps: dict[str, dict[str, Step]] = {}
+        timers: dict[str, dict[str, Timer]] = {}
         notes = []
         for mode in modes:
             precision = Precision(OmegaConf.merge(cfg.precision, {"mode": mode}), device)
@@ -135,17 +158,29 @@ def runner_vs_bare(args) -> None:
             if args.compile:
                 runner_task.compile()
                 bare_task.compile()
-            steps[mode] = {
-                "runner": runner_step(cfg, runner_task, data, precision, log),
-                "bare": bare_step(bare_task, mode, device, cfg.optim.optimizer.lr),
+            bare = bare_step(bare_task, mode, device, cfg.optim.optimizer.lr)
+            timers[mode] = {
+                "runner": runner_timer(
+                    cfg, runner_task, data, precision, log, args.warmup, args.steps
+                ),
+                "bare": lambda bare=bare: samples_per_s(
+                    bare, batches, args.warmup, data.batch_size, device
+                ),
             }
+        # Each side's compiled graphs, counted from an empty cache: two instances of one model
+        # class share compiled code, so the second side would otherwise count none. (A warm-up.)
+        graphs: dict[tuple[str, str], int] = {}
+        for mode in modes:
+            for side in ("runner", "bare"):
+                torch._dynamo.reset()
+                before = compile_counts()[0]
+                timers[mode][side]()
+                graphs[mode, side] = compile_counts()[0] - before
         for r in range(args.rounds):
             for mode in modes:
                 sides = ("runner", "bare") if r % 2 == 0 else ("bare", "runner")
                 for side in sides:
-                    rate = samples_per_s(
-                        steps[mode][side], batches, args.warmup, data.batch_size, device
-                    )
+                    rate = timers[mode][side]()
                     results.setdefault((mode, side), []).append(rate)
                     print(f"round {r + 1}/{args.rounds}  {mode:<5} {side:<7} {rate:7.1f} samples/s")
 
@@ -170,11 +205,17 @@ def runner_vs_bare(args) -> None:
         f"{args.steps} timed steps after {args.warmup} warm-up per timing; medians over "
         f"{args.rounds} rounds (ratios: median of per-round ratios)\n"
     )
-    print(f"{'precision':<10} {'runner/s':>9} {'bare/s':>9} {'runner/bare':>12}")
+    print(
+        f"{'precision':<10} {'runner/s':>9} {'bare/s':>9} {'runner/bare':>12} "
+        f"{'graphs runner':>14} {'graphs bare':>12}"
+    )
     for mode in modes:
         run, bare = median((mode, "runner")), median((mode, "bare"))
         ratio = median((mode, "runner"), (mode, "bare"))
-        print(f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f}")
+        print(
+            f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f} "
+            f"{graphs[mode, 'runner']:>14} {graphs[mode, 'bare']:>12}"
+        )
     if set(MODES) <= set(modes):
         speedup = {s: median(("bf16", s), ("fp32", s)) for s in ("runner", "bare")}
         print(f"\nbf16/fp32 speedup: runner {speedup['runner']:.2f}x, bare {speedup['bare']:.2f}x")
@@ -208,31 +249,28 @@ def precision_table(args) -> None:
         device = resolve_device(cfg.trainer.device)
         seed_everything(cfg.seed)
         data, task = build(cfg)
-        loader = iter(data.train_loader())
-        batches = [next(loader) for _ in range(args.warmup + args.steps)]
         rates: dict[str, list[float]] = {m: [] for m in modes}
         memory: dict[str, float] = {}
         with ExitStack() as stack:
             log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
             stack.callback(log.finish, {})
-            steps = {}
+            timers = {}
             for mode in modes:
                 precision = Precision(OmegaConf.merge(cfg.precision, {"mode": mode}), device)
                 stack.callback(precision.close)
                 copy_ = copy.deepcopy(task).to(device)
                 if args.compile:
                     copy_.compile()
-                steps[mode] = (runner_step(cfg, copy_, data, precision, log), precision)
+                timers[mode] = runner_timer(
+                    cfg, copy_, data, precision, log, args.warmup, args.steps
+                )
             for r in range(args.rounds):
                 for mode in modes if r % 2 == 0 else reversed(modes):
-                    step, precision = steps[mode]
                     # Each mode's matmul setting applies while it runs (tf32 is process-wide).
                     torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    rates[mode].append(
-                        samples_per_s(step, batches, args.warmup, data.batch_size, device)
-                    )
+                    rates[mode].append(timers[mode]())
                     if device.type == "cuda":
                         memory[mode] = torch.cuda.max_memory_allocated(device) / 2**20
         base = rates.get("fp32")
