@@ -17,9 +17,9 @@ from runner import checkpoint, console, distributed
 from runner.config import validate
 from runner.errors import Preempted, UserError, building
 from runner.optim import build_optimizers
-from runner.precision import DeviceCaps, Precision
+from runner.precision import DeviceCaps, Precision, compute_mode
 from runner.task import DataModule, Task
-from runner.telemetry import reset_peak_memory, utilisation
+from runner.telemetry import emulation_slowdown, reset_peak_memory, utilisation
 from runner.tracking import RunLog, open_tracker
 from runner.trainer import Trainer
 
@@ -108,6 +108,17 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         console.say(f"precision: {precision.describe()}")
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
+        slowdown = {
+            mode: emulation_slowdown(caps, compute_mode(mode), Path(cfg.cache_dir).expanduser())
+            for _, mode, _ in precision.stages
+        }
+        for mode, factor in slowdown.items():
+            if factor:
+                console.say(
+                    f"[yellow]warning:[/] {mode} matmuls run {factor:.0f}× slower than fp32 on "
+                    f"this CPU (measured), so its speed figures mean little here; "
+                    f"precision=auto picks {caps.best_mode()[0]} on this machine"
+                )
         summary |= {
             "precision": precision.name,
             "precision_requested": precision.requested,

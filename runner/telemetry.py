@@ -182,6 +182,15 @@ def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
     return entry["tflops"]
 
 
+def emulation_slowdown(caps, mode: str, cache_dir: Path) -> float | None:
+    """On a CPU that only emulates `mode`: how many times slower its matmuls run than fp32's
+    (the cached ceilings the MFU figures use, measured once per machine)."""
+    if caps.type != "cpu" or mode not in ("bf16", "fp16") or caps.support(mode)[0]:
+        return None
+    low = peak_tflops(caps, mode, cache_dir)
+    return peak_tflops(caps, "fp32", cache_dir) / low if low else None
+
+
 def _read_cache(path: Path) -> dict:
     """The cache file's entries; an unreadable file counts as empty (it is only a cache)."""
     try:

@@ -10,7 +10,13 @@ import torch
 from runner import telemetry
 from runner.precision import DeviceCaps
 from runner.run import run
-from runner.telemetry import GPU_PEAK_TFLOPS, device_model, peak_tflops, utilisation
+from runner.telemetry import (
+    GPU_PEAK_TFLOPS,
+    device_model,
+    emulation_slowdown,
+    peak_tflops,
+    utilisation,
+)
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
 STEP = ["trainer.max_steps=3", "trainer.val_check_interval=0"]
@@ -250,3 +256,12 @@ def test_speed_figures_leave_out_the_warm_up_and_flag_an_input_bound_run(tmp_pat
     assert summary["step_time_p90_s"] >= summary["step_time_s"] >= 0.02
     assert 0.5 < summary["data_wait_share"] <= 1
     assert "input-bound" in capsys.readouterr().err
+
+
+def test_the_slowdown_of_an_emulated_mode_is_measured_and_native_modes_have_none(tmp_path):
+    emulating = DeviceCaps("cpu", "a CPU without bf16 units")
+    factor = emulation_slowdown(emulating, "bf16", tmp_path)
+    assert isinstance(factor, float) and factor > 0  # fp32's ceiling over bf16's, both measured
+    native = DeviceCaps("cpu", "a CPU with AMX", cpu_flags=frozenset({"amx_bf16"}))
+    assert emulation_slowdown(native, "bf16", tmp_path) is None
+    assert emulation_slowdown(emulating, "fp32", tmp_path) is None
