@@ -140,11 +140,20 @@ def matrix_runs(tmp_path_factory):
                 summaries[row] = run(make_cfg(*_overrides(*row)), root / _name(row))
             except Exception as e:
                 summaries[row] = e
-    run_ranks([(_overrides(*row), root / _name(row)) for row in MATRIX if row[1] != "single"])
-
+    try:  # the ranks run the jobs in order: a failed job stops them, and fails the rows left
+        run_ranks([(_overrides(*row), root / _name(row)) for row in MATRIX if row[1] != "single"])
+    except AssertionError as e:
+        failure = e
+    else:
+        failure = None
     for row in MATRIX:
+        summary = root / _name(row) / "summary.json"
         if row[1] != "single":
-            summaries[row] = json.loads((root / _name(row) / "summary.json").read_text())
+            summaries[row] = (
+                json.loads(summary.read_text())
+                if summary.exists()
+                else AssertionError(f"no summary: the rank processes failed ({failure})")
+            )
     return root, summaries
 
 
@@ -155,6 +164,7 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
     summary = summaries[row]
     if isinstance(summary, Exception):
         raise summary
+    assert summary["status"] == "completed", summary.get("error")
     rows = read_metrics(root / _name(row))
     assert summary["status"] == "completed"
     assert summary["world_size"] == (1 if strategy == "single" else WORLD)
