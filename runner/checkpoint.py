@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner import console
-from runner.errors import UserError, first_line
+from runner import console, distributed
+from runner.distributed import Dist
+from runner.errors import TrainingStopped, UserError, first_line
 
 STEP_FILE = re.compile(r"step-(\d+)\.pt")
 
@@ -153,3 +154,107 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Writes a run's checkpoints into `out_dir/checkpoints`: `last.pt`, and `step-N.pt` when asked (the
+    newest `keep_last_k` kept). Under FSDP every rank writes its shard, then rank 0 its file,
+    which names how many there are; otherwise rank 0 alone writes."""
+
+    def __init__(self, out_dir: Path, dist: Dist, sharded: bool, keep_last_k: int):
+        self.folder, self.dist = out_dir / "checkpoints", dist
+        self.sharded, self.keep_last_k = sharded, keep_last_k
+
+    def save(self, state: dict, step: int, step_file: bool, params) -> None:
+        if not all(torch.isfinite(p).all() for p in params):
+            raise TrainingStopped(f"refusing to checkpoint non-finite weights at step {step}")
+        names = ([f"step-{step}.pt"] if step_file else []) + ["last.pt"]
+        if self.sharded:
+            state["shards"] = self.dist.world
+            if not self.dist.main:
+                for name in names:
+                    save(shard_path(self.folder / name, self.dist.rank), state)
+            distributed.barrier(self.dist)
+        if not self.dist.main:
+            return
+        for name in names:
+            save(self.folder / name, state)
+        if step_file:
+            prune(self.folder, self.keep_last_k)
+
+    def state(self, trainer) -> dict:
+        """A trainer's whole state: modules, precision (scaler, master weights), position,
+        counters, every rank's RNG, and what the run adds (config, W&B run id)."""
+        return {
+            **module_states(trainer.task, trainer.optimizers, trainer.schedulers),
+            **trainer.precision.state_dict(),
+            "step": trainer.step,
+            "samples_seen": trainer.samples_seen,
+            "skipped_steps": trainer.skipped_steps,
+            "consecutive_skipped": trainer.consecutive_skipped,
+            "precision": trainer.precision.name,
+            **rng_states(self.dist),
+            **trainer.extra_state,
+        }
+
+    def restore(self, trainer, state: dict) -> None:
+        load_modules(state, trainer.task, trainer.optimizers, trainer.schedulers)
+        trainer.step, trainer.samples_seen = state["step"], state["samples_seen"]
+        trainer.precision.at_step(trainer.step)  # a staged run resumes in its stage
+        trainer.precision.load_state_dict(state)
+        trainer.skipped_steps = state.get("skipped_steps", 0)
+        trainer.consecutive_skipped = state.get("consecutive_skipped", 0)
+        restore_rng(state, self.dist)
+
+
+def _by_group(objects: dict) -> dict:
+    """One optimizer (or schedule): its state dict. Several (a GAN): a dict of them by group."""
+    states = {name: obj.state_dict() for name, obj in objects.items()}
+    return next(iter(states.values())) if len(states) == 1 else states
+
+
+def module_states(task: torch.nn.Module, optimizers: dict, schedulers: dict) -> dict:
+    return {
+        "model": task.state_dict(),
+        "optimizer": _by_group(optimizers),
+        "scheduler": _by_group(schedulers),
+    }
+
+
+def load_modules(state: dict, task: torch.nn.Module, optimizers: dict, schedulers: dict) -> None:
+    """The model, optimizers and schedules from a checkpoint; a mismatch is one clear error."""
+    try:
+        task.load_state_dict(state["model"])
+    except RuntimeError as e:
+        mismatch = next(
+            (
+                line.strip()
+                for line in str(e).splitlines()
+                if "size mismatch" in line or "Missing" in line or "Unexpected" in line
+            ),
+            first_line(e),
+        )
+        raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
+    for key, objects in (("optimizer", optimizers), ("scheduler", schedulers)):
+        saved = state[key] if len(objects) > 1 else {next(iter(objects)): state[key]}
+        if set(saved) != set(objects):
+            raise UserError(f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task")
+        for name, obj in objects.items():
+            obj.load_state_dict(saved[name])
+
+
+def rng_states(dist: Dist) -> dict:
+    """This process's RNG states, and with several ranks every rank's (dropout differs by rank),
+    gathered for rank 0 to save. Every rank must call it."""
+    states = distributed.gather(rng_state(), dist)
+    return {"rng": states[dist.rank], **({"rng_by_rank": states} if dist.enabled else {})}
+
+
+def restore_rng(state: dict, dist: Dist) -> None:
+    by_rank = state.get("rng_by_rank") or []
+    if dist.enabled and len(by_rank) != dist.world:
+        console.say(
+            f"[yellow]warning:[/] the checkpoint was written by {len(by_rank) or 1} rank(s), "
+            f"this run has {dist.world}: dropout's random stream will differ"
+        )
+    set_rng_state(by_rank[dist.rank] if len(by_rank) == dist.world else state["rng"])

@@ -3,13 +3,20 @@ inf/NaN first appeared, which gradients overflowed, and what to try."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from runner import console, distributed
+from runner.distributed import Dist
+from runner.errors import TrainingStopped
 from runner.precision import Precision
 from runner.task import Batch, Task
+from runner.telemetry import batch_samples
+from runner.tracking import dumps
 
 FP16_MAX = 65504.0
 
@@ -158,5 +165,73 @@ def hint(mode: str, report: dict) -> str:
     )
 
 
-def full_report(info: dict, report: dict, mode: str) -> dict:
-    return info | report | {"hint": hint(mode, report)}
+class Forensics:
+    """A run's first non-finite step, replayed and written to nonfinite.json."""
+
+    def __init__(
+        self,
+        task: Task,
+        model: torch.nn.Module,
+        precision: Precision,
+        dist: Dist,
+        out_dir: Path,
+    ):
+        self.task, self.model, self.precision, self.dist = task, model, precision, dist
+        self.path = out_dir / "nonfinite.json"
+        self.report: dict | None = None
+
+    def replay(self, pending, params, to_device) -> dict:
+        """The skipped step again, with hooks on every layer, on the weights it saw: the caller
+        replays before any later step is applied (a skipped step changed nothing). Each rank
+        replays its own micro-batches with the step's normalisation; the report is the first
+        rank's that found something. The gradients already computed for the next step, if any,
+        are kept aside."""
+        loss_scale = float(pending.loss_scale)
+        scale = loss_scale * self.dist.world / float(pending.norm)
+        kept = [p.grad for p in params]
+        # Eager (hooks; no recompiles); DDP's reducer must not average the replay's gradients.
+        sharded = self.precision.sharded
+        quiet = contextlib.nullcontext() if sharded else distributed.no_grad_sync(self.model)
+        with torch.compiler.set_stance("force_eager"), quiet:
+            report = replay(self.task, self.precision, pending.window, to_device, scale, loss_scale)
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
+        reports = distributed.gather(report, self.dist)
+        found = [r for r, rep in enumerate(reports) if found_something(rep)]
+        rank = found[0] if found else 0
+        return reports[rank] | {"rank": rank, "loss_scale": loss_scale}
+
+    def on_skipped(
+        self, pending, replayed: dict | None, rows: list[dict], in_a_row: int, stuck: bool
+    ) -> None:
+        """A skipped step, now logged in `rows`: the first is reported (`replayed`); a run
+        `stuck` with `in_a_row` skipped steps stops."""
+        row = next(r for r in reversed(rows) if r["step"] == pending.step)
+        if replayed is not None:
+            self._write(pending, row, rows, replayed)
+        if stuck:
+            raise TrainingStopped(
+                f"training stopped at step {pending.step}: {in_a_row} steps in a row had "
+                f"non-finite loss or gradients (loss scale {row['loss_scale']:g}); "
+                f"{self.report['hint']}; see {self.path}"
+            )
+
+    def _write(self, pending, row: dict, rows: list[dict], replayed: dict) -> None:
+        step, first_sample = row["step"], pending.first_sample
+        samples = batch_samples(pending.window) * self.dist.world
+        info = {
+            "step": step,
+            "precision": self.precision.mode,
+            "samples": [first_sample, first_sample + samples],
+            "loss": row["loss"],
+            "grad_norm": row["grad_norm"],
+            "loss_scale_history": [
+                (r["step"], r["loss_scale"], r["skipped"]) for r in rows[-21:] if r["step"] <= step
+            ],
+        }
+        self.report = info | replayed | {"hint": hint(self.precision.mode, replayed)}
+        if self.dist.main:
+            self.path.write_text(dumps(self.report, indent=2) + "\n")
+        first = self.report["forward"]["first_nonfinite"]
+        where = f", first in the forward pass at {first}" if first else ""
+        console.say(f"[yellow]non-finite values at step {step}{where}; report: {self.path}[/]")

@@ -231,6 +231,24 @@ def sum_(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
     return tensor
 
 
+def sum_values(values: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.Tensor]:
+    """Scalars on the device, each summed over ranks, in one all-reduce."""
+    if not d.enabled:
+        return values
+    summed = sum_(torch.stack(list(values.values())), d)
+    return dict(zip(values, summed.unbind(), strict=True))
+
+
+def count_over_ranks(count: int, d: Dist, device: torch.device) -> torch.Tensor | int:
+    """A host-side count summed over ranks (at least 1): on the device, so nobody waits."""
+    if not d.enabled:
+        return max(1, count)
+    shared = torch.tensor(float(count))
+    if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU
+        shared = shared.pin_memory()
+    return sum_(shared.to(device, non_blocking=True), d).clamp(min=1)
+
+
 def gather(obj, d: Dist) -> list:
     """Every rank's `obj`, in rank order (on every rank)."""
     if not d.enabled:

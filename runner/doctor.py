@@ -8,8 +8,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from runner.flops import peak_tflops
 from runner.precision import DeviceCaps
-from runner.telemetry import peak_tflops
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
 CPU_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")

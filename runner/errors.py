@@ -21,7 +21,9 @@ class Preempted(Exception):
 
     exit_code = 75  # EX_TEMPFAIL: try again (with trainer.resume=auto)
 
-    def __init__(self, signal_name: str, step: int):
+    def __init__(self, signal_name: str | None, step: int):
+        """`signal_name`: None where the signal reached another rank only."""
+        signal_name = signal_name or "a preemption signal to another rank"
         super().__init__(f"preempted by {signal_name} at step {step}: checkpoint saved")
         self.signal_name, self.step = signal_name, step
 

@@ -16,10 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from runner import checkpoint, console, distributed
 from runner.config import validate
 from runner.errors import Preempted, UserError, building
+from runner.flops import emulation_slowdown, utilisation
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, compute_mode
 from runner.task import DataModule, Task
-from runner.telemetry import emulation_slowdown, reset_peak_memory, utilisation
+from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog, open_tracker
 from runner.trainer import Trainer
 

@@ -40,8 +40,9 @@ from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision
 from runner.run import build, resolve_device, seed_everything
 from runner.task import Batch, DataModule, Task
+from runner.telemetry import compile_counts
 from runner.tracking import RunLog
-from runner.trainer import Trainer, compile_counts
+from runner.trainer import Trainer
 
 OVERRIDES = [
     "model=bert",

@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from runner import telemetry
-from runner.precision import DeviceCaps
-from runner.run import run
-from runner.telemetry import (
+from runner import flops
+from runner.flops import (
     GPU_PEAK_TFLOPS,
     device_model,
     emulation_slowdown,
     peak_tflops,
     utilisation,
 )
+from runner.precision import DeviceCaps
+from runner.run import run
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
 STEP = ["trainer.max_steps=3", "trainer.val_check_interval=0"]
@@ -175,13 +175,13 @@ def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp
 @pytest.fixture
 def counted_measure(monkeypatch):
     """The real matmul measurement, made small, counting its calls."""
-    real, calls = telemetry._measure_matmul_tflops, []
+    real, calls = flops._measure_matmul_tflops, []
 
     def measure(dtype):
         calls.append(dtype)
         return real(dtype, n=64, runs=3, seconds=0.01)
 
-    monkeypatch.setattr(telemetry, "_measure_matmul_tflops", measure)
+    monkeypatch.setattr(flops, "_measure_matmul_tflops", measure)
     return calls
 
 
@@ -233,11 +233,11 @@ def test_a_cpu_has_no_fp8_ceiling(tmp_path, counted_measure):
 
 
 def test_the_real_matmul_measurement_is_the_best_of_its_runs():
-    m = telemetry._measure_matmul_tflops(torch.float32, n=32, runs=4, seconds=0.005)
+    m = flops._measure_matmul_tflops(torch.float32, n=32, runs=4, seconds=0.005)
     assert m["runs"] == 4 and m["n"] == 32 and m["seconds_per_run"] == 0.005
     assert m["tflops"] >= m["median_tflops"] > 0
     # A spent budget (slow emulated matmuls) still leaves two runs to take the best of.
-    m = telemetry._measure_matmul_tflops(torch.float32, n=32, runs=5, seconds=0.005, budget_s=0)
+    m = flops._measure_matmul_tflops(torch.float32, n=32, runs=5, seconds=0.005, budget_s=0)
     assert m["runs"] == 2
 
 

@@ -142,9 +142,11 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, losses: Sequence[torch.Tensor]) -> None:
-        """Outside autocast, once per micro-batch; each loss is scaled by the same factor."""
+        """Outside autocast, once per micro-batch; each loss is scaled by the same factor. With
+        several ranks, × ranks: their average (DDP's) is then the sum over the global window."""
         scaler = self.scaler
         for loss in losses:
+            loss = loss * self.world if self.world > 1 else loss
             (scaler.scale(loss) if scaler else loss).backward()
         self.master.accumulate()
 

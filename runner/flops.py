@@ -1,0 +1,232 @@
+"""FLOPs, MFU and the precision audit: what one training step computes, in which dtype each op
+really ran (after autocast's casts), and how that compares with the device's peak."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# Dense (no sparsity) peak TFLOP/s per GPU model and mode. Sources: NVIDIA's product datasheets
+# (H100/H200 NVL and HGX B200/GB200 NVL72 tables divided per GPU), the Ampere/Ada/Blackwell
+# GeForce whitepapers (FP32-accumulate tensor rates, which PyTorch uses), AWS's A10G figures and
+# AMD's MI300X datasheet; sparse-only figures halved. A mode a device lacks is absent.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "A100 PCIe": {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
+    "A100 SXM": {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
+    "H100 PCIe": {"fp32": 51, "tf32": 378, "bf16": 756.5, "fp16": 756.5, "fp8": 1513},
+    "H100 SXM": {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979},
+    "H100 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    "H200 SXM": {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979},
+    "H200 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
+    "B200": {"fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
+    "GB200": {"fp32": 80, "tf32": 1250, "bf16": 2500, "fp16": 2500, "fp8": 5000},
+    "L4": {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
+    "L40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05, "fp8": 362},
+    "L40S": {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
+    "A10": {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125},
+    "A10G": {"fp32": 35, "tf32": 35, "bf16": 70, "fp16": 70},
+    "T4": {"fp32": 8.1, "fp16": 65},
+    "V100 PCIe": {"fp32": 14, "fp16": 112},
+    "V100 SXM": {"fp32": 15.7, "fp16": 125},
+    "RTX 3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71, "fp16": 71},
+    "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
+    "RTX 5090": {"fp32": 104.8, "tf32": 104.8, "bf16": 209.5, "fp16": 209.5, "fp8": 419},
+    "MI300X": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
+}
+# `torch.cuda.get_device_name()` spells one model many ways ("NVIDIA A100-SXM4-80GB", "NVIDIA
+# A100 80GB PCIe"); after normalisation (see `device_model`) the words are looked up exactly here,
+# so "L40S" never borrows "L4"'s peak nor "H100 NVL" the SXM part's.
+DEVICE_MODELS: dict[str, str] = {model.upper(): model for model in GPU_PEAK_TFLOPS} | {
+    "H200": "H200 SXM",  # the NVL card names itself "NVIDIA H200 NVL"
+}
+_VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
+_MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
+LOW_PRECISION = {torch.float16, torch.bfloat16}
+
+
+class PrecisionAudit(TorchDispatchMode):
+    """Records, for one training step, the FLOPs of every op by the dtype it really ran in (after
+    autocast's casts): the share done in low precision, and what stayed fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops: dict[tuple[str, torch.dtype], int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FLOP_FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            dtype = next(
+                (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                None,
+            )
+            self.flops[(func._overloadpacket.__name__, dtype)] += int(
+                formula(*args, **kwargs, out_val=out)
+            )
+        return out
+
+    def report(self) -> dict:
+        total = sum(self.flops.values())
+        low = sum(f for (_, dtype), f in self.flops.items() if dtype in LOW_PRECISION)
+        fp32_ops: dict[str, int] = defaultdict(int)
+        for (op, dtype), f in self.flops.items():
+            if dtype == torch.float32:
+                fp32_ops[op] += f
+        return {
+            "flops_per_step": total,
+            "low_precision_flop_share": low / total if total else None,
+            "fp32_ops": dict(sorted(fp32_ops.items(), key=lambda item: -item[1])),
+        }
+
+
+def _flop_formulas() -> dict:
+    formulas = dict(flop_registry)
+    aten = torch.ops.aten
+    # The CPU flash-attention kernels take the same leading arguments as the CUDA ones.
+    for cpu, cuda in (
+        ("_scaled_dot_product_flash_attention_for_cpu", aten._scaled_dot_product_flash_attention),
+        (
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+            aten._scaled_dot_product_flash_attention_backward,
+        ),
+    ):
+        if hasattr(aten, cpu) and cuda in formulas:
+            formulas[getattr(aten, cpu)] = formulas[cuda]
+    return formulas
+
+
+_FLOP_FORMULAS = _flop_formulas()
+
+
+def device_model(name: str) -> str | None:
+    """The datasheet model a device name denotes, or None when it is not one listed: upper-case,
+    "-"/"_" as spaces, vendor words and memory size/type dropped, SXM2/4/5 as SXM, then an exact
+    look-up (never a prefix or substring)."""
+    words = name.upper().replace("-", " ").replace("_", " ").split()
+    memory = [w for w in words if _MEMORY_WORD.fullmatch(w)]
+    words = [
+        re.sub(r"^SXM\d$", "SXM", w)
+        for w in words
+        if w not in _VENDOR_WORDS and not _MEMORY_WORD.fullmatch(w)
+    ]
+    # The SXM5 H100 reports "NVIDIA H100 80GB HBM3" with no form factor; the PCIe card (HBM2e)
+    # and the NVL card name theirs, so a bare H100 on HBM3 is the SXM part. Without HBM3 a bare
+    # H100 could be any of them: unknown.
+    if words == ["H100"] and "HBM3" in memory:
+        words.append("SXM")
+    return DEVICE_MODELS.get(" ".join(words))
+
+
+def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
+    """The device's peak for the mode: the datasheet table for a GPU model listed exactly (None for
+    any other GPU, or a mode it lacks); on a CPU a matmul ceiling measured once per (CPU, threads,
+    torch, dtype) and cached."""
+    if caps.type == "cuda":
+        model = device_model(caps.name)
+        return GPU_PEAK_TFLOPS[model].get(mode) if model else None
+    if caps.type != "cpu" or mode == "fp8":
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    key = f"{caps.name}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+    path = cache_dir / "cpu_peak_tflops.json"
+    cached = _read_cache(path)
+    entry = cached.get(key)
+    if not isinstance(entry, dict) or not isinstance(entry.get("tflops"), int | float):
+        # Missing, or a bare float from before the conditions were recorded: measure again.
+        entry = cached[key] = {
+            "cpu": caps.name,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "dtype": str(dtype).removeprefix("torch."),
+            **_measure_matmul_tflops(dtype),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    return entry["tflops"]
+
+
+def emulation_slowdown(caps, mode: str, cache_dir: Path) -> float | None:
+    """On a CPU that only emulates `mode`: how many times slower its matmuls run than fp32's
+    (the cached ceilings the MFU figures use, measured once per machine)."""
+    if caps.type != "cpu" or mode not in ("bf16", "fp16") or caps.support(mode)[0]:
+        return None
+    low = peak_tflops(caps, mode, cache_dir)
+    return peak_tflops(caps, "fp32", cache_dir) / low if low else None
+
+
+def _read_cache(path: Path) -> dict:
+    """The cache file's entries; an unreadable file counts as empty (it is only a cache)."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _measure_matmul_tflops(
+    dtype: torch.dtype, n: int = 1024, runs: int = 5, seconds: float = 0.1, budget_s: float = 2.0
+) -> dict:
+    """The best of `runs` timed stretches of n×n matmuls after a warm-up: the best, not the mean,
+    because a ceiling is what the CPU reaches when nothing else interferes. Where one matmul is
+    slower than a stretch (emulated bf16/fp16 takes seconds), it stops after two runs once
+    `budget_s` is spent; the entry records how many it did."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # the first call pays for thread-pool start-up and kernel selection
+    rates: list[float] = []
+    spent = 0.0
+    while len(rates) < runs and (len(rates) < 2 or spent < budget_s):
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or not count:
+            a @ b
+            count += 1
+        rates.append(2 * n**3 * count / elapsed / 1e12)
+        spent += elapsed
+    return {
+        "tflops": max(rates),
+        "median_tflops": statistics.median(rates),
+        "runs": len(rates),
+        "seconds_per_run": seconds,
+        "n": n,
+    }
+
+
+def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
+    """Achieved TFLOP/s from the audited FLOPs per step and the median step time, and MFU; without
+    a peak for the device and mode, MFU is None and `peak_note` says why."""
+    flops, step_time = summary.get("flops_per_step"), summary.get("step_time_s")
+    if not flops or not step_time:
+        return {"achieved_tflops": None, "mfu": None}
+    achieved = flops / step_time / 1e12
+    peak = peak_tflops(caps, mode, cache_dir)
+    if not peak:
+        return {
+            "achieved_tflops": achieved,
+            "peak_tflops": None,
+            "mfu": None,
+            "peak_note": _no_peak_note(caps, mode),
+        }
+    return {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak}
+
+
+def _no_peak_note(caps, mode: str) -> str:
+    if caps.type == "cuda" and (model := device_model(caps.name)):
+        return f"{caps.name} ({model}) has no {mode} datasheet peak: MFU left out"
+    if caps.type == "cuda":
+        return f"no datasheet peak for {caps.name}: MFU left out"
+    if caps.type == "cpu":
+        return f"no {mode} matmul ceiling is measured on a CPU: MFU left out"
+    return f"no peak known for {caps.type} devices: MFU left out"
