@@ -136,6 +136,7 @@ class Trainer:
         self.lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
         result = self.precision.step(
             list(self.optimizers.values()),
+            self.params,
             self.cfg.gradient_clip_val,
             self.cfg.gradient_clip_algorithm,
             loss=totals["loss"],

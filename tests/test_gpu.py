@@ -29,7 +29,7 @@ def test_a_fused_step_never_synchronises_with_the_gpu(mode):
         precision.backward([loss])
         torch.cuda.set_sync_debug_mode("error")  # any host-device sync raises
         try:
-            result = precision.step([optimizer], 1.0, loss=loss)
+            result = precision.step([optimizer], list(model.parameters()), 1.0, loss=loss)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         optimizer.zero_grad(set_to_none=True)

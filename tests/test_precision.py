@@ -162,7 +162,7 @@ def test_a_fused_step_never_reads_the_device(monkeypatch, mode):
         with monkeypatch.context() as m:
             for name in ("item", "__bool__", "tolist"):
                 m.setattr(torch.Tensor, name, no_read)
-            result = precision.step([optimizer], 1.0, loss=loss)
+            result = precision.step([optimizer], list(model.parameters()), 1.0, loss=loss)
         optimizer.zero_grad()
         changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
         assert result.skipped.item() == float(poisoned)
@@ -253,7 +253,7 @@ def test_several_optimizers_clip_each_by_its_own_norm(per_group):
     big.grad, small.grad = torch.full((3,), 100.0), torch.full((3,), 0.1)
     optimizers = [torch.optim.SGD([big], lr=1.0), torch.optim.SGD([small], lr=1.0)]
     precision = _precision("fp32")
-    result = precision.step(optimizers, 1.0, clip_per_group=per_group)
+    result = precision.step(optimizers, [big, small], 1.0, clip_per_group=per_group)
     total = torch.cat([torch.full((3,), 100.0), torch.full((3,), 0.1)]).norm()
     assert result.grad_norm.item() == pytest.approx(total.item())  # logged: over all groups
     assert big.grad.norm().item() == pytest.approx(1.0, rel=1e-4)

@@ -37,9 +37,12 @@ class MasterWeights:
                     self.masters[param] = torch.nn.Parameter(param.detach().clone())
                 param.data = param.data.half()
 
-    def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
+    def stand_ins(self, params) -> list:
         """The parameters the optimizers update: the fp32 masters where there are any."""
-        return {name: [self.masters.get(p, p) for p in params] for name, params in groups.items()}
+        return [self.masters.get(p, p) for p in params]
+
+    def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
+        return {name: self.stand_ins(params) for name, params in groups.items()}
 
     def accumulate(self) -> None:
         """After each micro-batch's backward: its fp16 gradients are added into the fp32 ones."""

@@ -153,14 +153,17 @@ class Precision:
     def step(
         self,
         optimizers: Sequence[torch.optim.Optimizer],
+        parameters: Sequence[torch.Tensor],
         clip_val: float | None,
         clip_algorithm: str = "norm",
         loss: torch.Tensor | None = None,
         clip_per_group: bool = True,
     ) -> StepResult:
-        """unscale_ (once per optimizer) → grad norm → clip → step → update (once)."""
+        """unscale_ (once per optimizer) → grad norm → clip → step → update (once). `parameters`:
+        the model's trainable ones, in its order (fp16_master's stand for their fp32 masters)."""
         result = optimizer_step(
             optimizers,
+            self.master.stand_ins(parameters),
             self.scaler,
             clip_val,
             clip_algorithm,

@@ -28,8 +28,16 @@ def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def _params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+def _by_optimizer(optimizers, parameters) -> list[list[torch.Tensor]]:
+    """Each optimizer's parameters that have gradients, in the order of `parameters`."""
+    owner = {
+        id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
+    }
+    groups: list[list[torch.Tensor]] = [[] for _ in optimizers]
+    for p in parameters:
+        if p.grad is not None:
+            groups[owner[id(p)]].append(p)
+    return groups
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
@@ -39,6 +47,7 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 
 def optimizer_step(
     optimizers: Sequence[torch.optim.Optimizer],
+    parameters: Sequence[torch.Tensor],
     scaler: torch.amp.GradScaler | None,
     clip_val: float | None,
     clip_algorithm: str = "norm",
@@ -47,10 +56,12 @@ def optimizer_step(
     reduce: Callable[[list[torch.Tensor]], None] | None = None,
     no_scale: torch.Tensor | None = None,
 ) -> StepResult:
-    """`clip_per_group`: each optimizer's gradients are clipped by their own norm (a GAN's two
+    """`parameters`: what the optimizers update, in the model's order: the order the norm is summed
+    in, as `clip_grad_norm_(model.parameters())` does (fp16's rounding noise makes it show).
+    `clip_per_group`: each optimizer's gradients are clipped by their own norm (a GAN's two
     halves), as PyTorch's multi-optimizer AMP recipe does; the logged norm is over all of them.
     `reduce`: averages the gradients over ranks first, where no DDP wrapper did."""
-    groups = [_params_with_grads(opt) for opt in optimizers]
+    groups = _by_optimizer(optimizers, parameters)
     if reduce is not None:
         reduce([p.grad for params in groups for p in params])
     if scaler:
