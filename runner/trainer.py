@@ -194,10 +194,8 @@ class Trainer:
         self.consecutive_skipped += 1
         first = self.forensics.report is None
         if self._trouble is None and (first or self._stuck):
-            replayed = (
-                self.forensics.replay(pending, self.params, self._to_device) if first else None
-            )
-            self._trouble = (pending, replayed)
+            replay = first and self.forensics.replay(pending, self.params, self._to_device)
+            self._trouble = (pending, replay or None)
 
     @property
     def _stuck(self) -> bool:
