@@ -7,10 +7,8 @@ the sweep's W&B group. Also runs by itself at the end of every multirun (`Compar
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +16,10 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner import console
+from runner import report
 from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
+from runner.report import as_float
 
 TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence"
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
@@ -45,10 +44,6 @@ class Job:
     @property
     def healthy(self) -> bool:
         return self.figures.get("health") == "ok"
-
-
-def _float(value) -> float:
-    return float(value) if value is not None else math.nan
 
 
 def _read_job(folder: Path) -> Job:
@@ -112,7 +107,7 @@ def load_sweep(sweep_dir: Path) -> list[Job]:
 
 def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
     steps = [r["step"] for r in rows]
-    losses = [_float(r.get("loss")) for r in rows]
+    losses = [as_float(r.get("loss")) for r in rows]
     out = {}
     for i, step in enumerate(steps):
         chunk = losses[max(0, i - window + 1) : i + 1]
@@ -146,24 +141,24 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
         ]
         job.label = " ".join([job.precision, *others])
         steps = s.get("steps") or len(job.rows)
-        final_loss = _float(s.get("final_loss"))
+        final_loss = as_float(s.get("final_loss"))
         skipped = s.get("skipped_steps") or 0
         f = job.figures = {
-            "samples_per_s": _float(s.get("samples_per_s")),
-            "peak_memory_mb": _float(s.get("peak_memory_mb")),
+            "samples_per_s": as_float(s.get("samples_per_s")),
+            "peak_memory_mb": as_float(s.get("peak_memory_mb")),
             "final_loss": final_loss,
-            "eval_loss": _float(s.get("eval_loss")),
+            "eval_loss": as_float(s.get("eval_loss")),
             "skipped_steps": skipped,
             "steps": steps,
-            "final_loss_scale": _float(s.get("final_loss_scale")),
-            "mfu": _float(s.get("mfu")),
-            "low_precision_flop_share": _float(s.get("low_precision_flop_share")),
+            "final_loss_scale": as_float(s.get("final_loss_scale")),
+            "mfu": as_float(s.get("mfu")),
+            "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
         }
         base = baselines.get(_context(job))
         if base is not None:
             b = base.summary
-            f["speedup"] = f["samples_per_s"] / _float(b.get("samples_per_s"))
-            f["memory_saving"] = 1 - f["peak_memory_mb"] / _float(b.get("peak_memory_mb"))
+            f["speedup"] = f["samples_per_s"] / as_float(b.get("samples_per_s"))
+            f["memory_saving"] = 1 - f["peak_memory_mb"] / as_float(b.get("peak_memory_mb"))
             window = max(1, min(len(job.rows), len(base.rows)) // 10)
             ours, theirs = _smoothed(job.rows, window), _smoothed(base.rows, window)
             gaps = [
@@ -180,7 +175,7 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             f["health"] = "failed"
             job.verdict = f"failed: {s.get('error', s.get('status'))}"
         elif not math.isfinite(final_loss) or any(
-            not math.isfinite(_float(r.get("loss"))) for r in job.rows
+            not math.isfinite(as_float(r.get("loss"))) for r in job.rows
         ):
             f["health"] = "diverged"
             job.verdict = "diverged: the loss became inf/NaN — not recommended"
@@ -222,153 +217,13 @@ def _recommend(jobs: list[Job], baselines: dict) -> None:
             job.verdict = "no fp32 run to compare with"
 
 
-COLUMNS = [
-    ("precision", "label", "{}"),
-    ("samples/s", "samples_per_s", "{:.1f}"),
-    ("speedup", "speedup", "{:.2f}×"),
-    ("peak MB", "peak_memory_mb", "{:.0f}"),
-    ("mem saving", "memory_saving", "{:+.0%}"),
-    ("final loss", "final_loss", "{:.4f}"),
-    ("eval loss", "eval_loss", "{:.4f}"),
-    ("max loss gap", "max_loss_gap", "{:.1%}"),
-    ("skipped", "skipped_steps", "{}"),
-    ("loss scale", "final_loss_scale", "{:g}"),
-    ("MFU", "mfu", "{:.1%}"),
-    ("low-prec FLOPs", "low_precision_flop_share", "{:.0%}"),
-    ("verdict", "verdict", "{}"),
-]
-
-
-def _cell(job: Job, key: str, fmt: str) -> str:
-    value = getattr(job, key) if key in ("label", "verdict") else job.figures.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    return fmt.format(value)
-
-
-def table(jobs: list[Job]) -> list[list[str]]:
-    return [[name for name, _, _ in COLUMNS]] + [
-        [_cell(j, k, f) for _, k, f in COLUMNS] for j in jobs
-    ]
-
-
-def plot(jobs: list[Job], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
-    scale_ax = None
-    for job in jobs:
-        rows = [r for r in job.rows if math.isfinite(_float(r.get("loss")))]
-        if rows:
-            ax.plot(
-                [r["step"] for r in rows], [r["loss"] for r in rows], label=job.label, linewidth=1.2
-            )
-        if job.precision in LOSS_SCALED_MODES and job.rows:
-            scale_ax = scale_ax or ax.twinx()
-            scale_ax.plot(
-                [r["step"] for r in job.rows],
-                [r["loss_scale"] for r in job.rows],
-                "--",
-                color="grey",
-                linewidth=1,
-                label=f"{job.label} loss scale",
-            )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title("loss by precision")
-    handles, labels = ax.get_legend_handles_labels()
-    if scale_ax is not None:
-        scale_ax.set_yscale("log")
-        scale_ax.set_ylabel("fp16 loss scale")
-        h2, l2 = scale_ax.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write(jobs: list[Job], sweep_dir: Path) -> dict[str, Path]:
-    rows = table(jobs)
-    paths = {ext: sweep_dir / f"compare.{ext}" for ext in ("md", "csv", "json", "png")}
-    md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    paths["md"].write_text(
-        f"# Precision comparison: {sweep_dir}\n\n" + "\n".join(md) + "\n\n![loss](compare.png)\n"
-    )
-    with open(paths["csv"], "w", newline="") as f:
-        csv.writer(f).writerows(rows)
-    records = [
-        {
-            "job": j.folder.name,
-            "precision": j.precision,
-            "label": j.label,
-            "status": j.summary.get("status"),
-            "verdict": j.verdict,
-            **{
-                k: (None if isinstance(v, float) and math.isnan(v) else v)
-                for k, v in j.figures.items()
-            },
-        }
-        for j in jobs
-    ]
-    paths["json"].write_text(json.dumps(records, indent=2) + "\n")
-    plot(jobs, paths["png"])
-    return paths
-
-
-def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> None:
-    """The table and the plot as a `compare` run in the sweep's W&B group (where jobs used W&B)."""
-    logger = next((j.config.get("logger") for j in jobs if j.config.get("logger")), None)
-    if not logger or logger.get("backend") != "wandb" or logger.get("mode") == "disabled":
-        return
-    import wandb
-
-    group = logger.get("group") or f"{sweep_dir.resolve().parent.name}-{sweep_dir.resolve().name}"
-    try:
-        run = wandb.init(
-            project=logger.get("project"),
-            entity=logger.get("entity"),
-            group=group,
-            job_type="compare",
-            name="compare",
-            dir=str(sweep_dir),
-            mode=os.environ.get("WANDB_MODE", logger.get("mode")),
-            reinit="finish_previous",
-            settings=wandb.Settings(silent=True, console="off"),
-        )
-        rows = table(jobs)
-        run.log(
-            {
-                "comparison": wandb.Table(columns=rows[0], data=rows[1:]),
-                "loss_by_precision": wandb.Image(str(paths["png"])),
-            }
-        )
-        run.finish()
-    except Exception as e:
-        console.say(f"[yellow]warning:[/] W&B logging of the comparison failed ({e})")
-
-
 def compare(sweep_dir: Path, tolerance: float = TOLERANCE, wandb_log: bool = True) -> list[Job]:
-    from rich.console import Console
-    from rich.table import Table
-
     jobs = load_sweep(sweep_dir)
     analyse(jobs, tolerance)
-    paths = write(jobs, sweep_dir)
-    rows = table(jobs)
-    shown = Table(title=f"precision comparison — {sweep_dir}", title_justify="left")
-    for name in rows[0]:
-        shown.add_column(name, overflow="fold")
-    for r in rows[1:]:
-        shown.add_row(*r)
-    Console(width=None if sys.stdout.isatty() else 200).print(shown)
-    print(f"written: {', '.join(str(p) for p in paths.values())}")
+    paths = report.write(jobs, sweep_dir)
+    report.show(jobs, sweep_dir, paths)
     if wandb_log:
-        log_to_wandb(jobs, sweep_dir, paths)
+        report.log_to_wandb(jobs, sweep_dir, paths)
     return jobs
 
 

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import checkpoint, console, distributed
 from runner.config import validate
-from runner.errors import Preempted, UserError, building
+from runner.errors import Preempted, UserError, building, first_line
 from runner.flops import emulation_slowdown, utilisation
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, compute_mode
@@ -170,7 +170,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         }.get(type(e), ("failed", 1))
         summary |= {
             "status": status,
-            "error": (str(e).strip().splitlines() or [type(e).__name__])[0],
+            "error": first_line(e),
         }
         if trainer is not None:
             summary["steps"] = trainer.step

@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
+from runner.errors import first_line
 
 # Set by the entry point for a multirun (and inherited by launcher subprocesses): the keys the
 # sweep varies, so every job is named after the values that tell it apart.
@@ -178,6 +179,6 @@ def open_tracker(cfg: DictConfig, out_dir: Path, run_id: str | None = None) -> W
     try:
         return WandbTracker(cfg, out_dir, run_id)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         console.say(f"[yellow]warning:[/] W&B did not start ({first}); metrics.jsonl is complete")
         return None

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from runner.errors import UserError
+from runner.errors import UserError, first_line
 from runner.task import Batch, DataModule, require_kind, sample_rng
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -84,7 +84,7 @@ def load_text(
     try:
         loaded = datasets.load_dataset(**load)
     except Exception as e:  # offline Hub, unreadable or malformed files: one line
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise UserError(f"{source}: cannot load {load['path']!r}: {first}") from None
     picked = {ours: loaded[theirs] for ours, theirs in splits.items() if theirs in loaded}
     if "train" not in picked:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.errors import UserError
+from runner.errors import UserError, first_line
 from runner.task import Batch, DataModule, Task, require_kind
 
 
@@ -152,7 +152,7 @@ class ImageFolder(_Arrays):
         try:
             table = datasets.load_dataset("imagefolder", data_dir=data_dir, split="train")
         except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            first = first_line(e)
             raise UserError(f"dataset.data_dir={data_dir!r}: cannot load images: {first}") from None
         if "label" not in table.column_names:
             raise UserError(
