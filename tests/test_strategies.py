@@ -37,3 +37,25 @@ def test_fsdp_trains_like_ddp_in_bf16_and_reduce_dtype_is_honoured(tmp_path):
         grads = [r["grad_norm"] for r in rows[strategy]]
         rounded = [r["grad_norm"] for r in rows[f"{strategy}_bf16_reduce"]]
         assert rounded == pytest.approx(grads, rel=2e-2) and rounded != grads
+
+
+def test_fp16_master_averages_its_fp32_gradients_over_ranks(tmp_path):
+    """fp16_master is not DDP-wrapped: it averages its fp32 master gradients itself, once per
+    window. 2 ranks × batch 4 × 2 micro-batches ≡ 1 process × batch 8 × 2, to fp16 rounding."""
+    from runner.run import run
+    from tests.helpers import TINY_MLP, make_cfg
+
+    common = [
+        *TINY_MLP,
+        "precision=fp16_master",
+        "trainer.max_steps=4",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=0",
+        "optim.optimizer.eps=1e-4",
+    ]
+    run_ranks([([*common, "dataset.batch_size=4"], tmp_path / "ddp")])
+    run(make_cfg(*common, "dataset.batch_size=8"), tmp_path / "one")
+    for a, b in zip(read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "one"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
