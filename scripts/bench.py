@@ -5,8 +5,8 @@
    (plus peak memory on CUDA).
 2. Runner against a bare loop: the runner through `Trainer.fit` against the textbook loop
    (autocast → loss / targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same
-   model, initial weights and data, fp32 and bf16; with `--compile`, each side's count of
-   compiled graphs.
+   model, initial weights and data (both load their batches through the data's loader), fp32
+   and bf16; with `--compile`, each side's count of compiled graphs.
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
@@ -117,22 +117,24 @@ def bare_step(task: Task, mode: str, device: torch.device, lr: float) -> Step:
 
 
 def samples_per_s(
-    step: Step, batches: list[Batch], warmup: int, batch_size: int, device: torch.device
+    step: Step, data: DataModule, warmup: int, steps: int, device: torch.device
 ) -> float:
-    """The bare loop: runs `warmup` untimed steps, then times the rest of `batches`."""
+    """The bare loop: runs `warmup` untimed steps, then times `steps` more; its batches come from
+    the data's loader as the runner's do, so both sides pay for loading."""
+    batches = iter(data.train_loader())
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for batch in batches[:warmup]:
-        step(batch)
+    for _ in range(warmup):
+        step(next(batches))
     sync()
     start = time.perf_counter()
-    for batch in batches[warmup:]:
-        step(batch)
+    for _ in range(steps):
+        step(next(batches))
     sync()
-    return batch_size * len(batches[warmup:]) / (time.perf_counter() - start)
+    return data.batch_size * steps / (time.perf_counter() - start)
 
 
 def runner_vs_bare(args) -> None:
@@ -142,8 +144,6 @@ def runner_vs_bare(args) -> None:
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed)
     data, task = build(cfg)
-    loader = iter(data.train_loader())
-    batches = [next(loader) for _ in range(args.warmup + args.steps)]
 
     results: dict[tuple[str, str], list[float]] = {}
     with ExitStack() as stack:
@@ -165,7 +165,7 @@ def runner_vs_bare(args) -> None:
                     cfg, runner_task, data, precision, log, args.warmup, args.steps
                 ),
                 "bare": lambda bare=bare: samples_per_s(
-                    bare, batches, args.warmup, data.batch_size, device
+                    bare, data, args.warmup, args.steps, device
                 ),
             }
         # Each side's compiled graphs, counted from an empty cache: two instances of one model
