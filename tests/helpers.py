@@ -80,7 +80,7 @@ def cli(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # generous for a loaded machine; a run that ends sooner returns sooner
     )
 
 
