@@ -200,7 +200,7 @@ def test_a_submitit_job_with_two_tasks_trains_as_two_ranks(tmp_path):
         "-m",
         "hydra/launcher=submitit_local",
         "hydra.launcher.tasks_per_node=2",
-        "hydra.launcher.timeout_min=5",
+        "hydra.launcher.timeout_min=10",
         *TINY_MLP,
         "trainer.max_steps=5",
         f"hydra.sweep.dir={sweep}",

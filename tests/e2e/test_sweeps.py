@@ -130,7 +130,7 @@ def test_a_failed_job_does_not_stop_the_sweep_but_fails_the_command(tmp_path):
 def test_parallel_and_submitit_launchers(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     extra = (
-        ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else ["hydra.launcher.timeout_min=5"]
+        ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else ["hydra.launcher.timeout_min=10"]
     )
     proc = cli(
         "-m",
