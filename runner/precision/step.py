@@ -30,6 +30,8 @@ def steps_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 def _by_optimizer(optimizers, parameters) -> list[list[torch.Tensor]]:
     """Each optimizer's parameters that have gradients, in the order of `parameters`."""
+    if len(optimizers) == 1:  # the common case: no owner map to build on every step
+        return [[p for p in parameters if p.grad is not None]]
     owner = {
         id(p): i for i, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]
     }
