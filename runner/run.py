@@ -155,6 +155,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         summary |= {
             "task": type(task).__name__,
             "parameters": sum(p.numel() for p in task.parameters()),
+            **task.describe(),
             "batch_size": data.batch_size * ranks.world,  # the global batch
             "world_size": ranks.world,
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,

@@ -50,6 +50,10 @@ class Task(nn.Module, ABC):
         """The metrics from the summed `eval_sums` and the number of targets: means by default."""
         return {key: value / max(count, 1) for key, value in totals.items()}
 
+    def describe(self) -> dict:
+        """What the summary should say about the model beyond its size (e.g. where it came from)."""
+        return {}
+
 
 def sample_rng(*key: int) -> np.random.Generator:
     """A generator fixed by (seed, stream, epoch, index): per-sample randomness (e.g. masking) that

@@ -1,0 +1,187 @@
+"""`model=module`: any `nn.Module` of the user's, built by `_target_`, trained with a loss named by
+config. No subclassing: the net sees the dataset's inputs, the loss sees its output."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+from hydra.utils import instantiate
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runner import console
+from runner.errors import UserError, building
+from runner.task import Batch, DataModule, Task
+from tasks.losses import CrossEntropy, Loss, NetOutput, batch_target, macro_f1, make_loss
+
+
+def blocks(net: nn.Module) -> list[nn.Module]:
+    """The net's repeated blocks: the children of its longest `nn.ModuleList` or `nn.Sequential`
+    (a transformer's layers, a CNN's stages), the outermost one on a tie. FSDP shards them one by
+    one; gradient checkpointing recomputes them."""
+    best: list[nn.Module] = []
+    for module in net.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > len(best):
+            best = list(module)
+    return best if len(best) > 1 else []
+
+
+def recompute_in_backward(block: nn.Module) -> None:
+    """Gradient checkpointing: the block keeps only its inputs for backward and runs its forward
+    again there. torch's non-reentrant checkpoint re-enters the autocast state of the forward,
+    so the recomputation runs in the precision the forward ran in."""
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to save
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
+
+
+def freeze_parameters(net: nn.Module, prefixes: Sequence[str]) -> None:
+    """`model.freeze`: parameters named `prefix` or `prefix.*` (names as in the net's
+    `named_parameters()`) get no gradient and no optimizer state."""
+    named = dict(net.named_parameters())
+    for prefix in prefixes:
+        hits = [n for n in named if n == prefix or n.startswith(f"{prefix}.")]
+        if not hits:
+            tops = sorted({n.split(".")[0] for n in named})
+            raise UserError(
+                f"model.freeze: {prefix!r} names no parameter of the net (its top-level "
+                f"modules: {', '.join(tops)})"
+            )
+        for name in hits:
+            named[name].requires_grad_(False)
+
+
+def prediction_of(output):
+    """The prediction in a net's output: a tensor, `.logits` (Hugging Face), or the first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise UserError(f"the net returned {type(output).__name__}: expected a tensor or `.logits`")
+
+
+class ModuleTask(Task):
+    """A net from `model.net` (a node with `_target_`), trained with `model.loss`.
+
+    The dataset's target (`labels`, or a zoo dataset's `label`/`mask`) goes to the loss; the
+    other fields go to the net, positionally when there is one, as keyword arguments otherwise.
+    With `model.loss=output` the net also gets the target and returns its loss."""
+
+    keyword_inputs = False  # Hugging Face models take every input by name
+
+    def __init__(
+        self,
+        data: DataModule,
+        net: Mapping | nn.Module,
+        loss="cross_entropy",
+        freeze: Sequence[str] = (),
+        gradient_checkpointing: bool = False,
+        channels_last: bool | None = None,
+    ):
+        super().__init__()
+        if isinstance(net, nn.Module):
+            self.net = net
+        else:
+            with building("model.net", net):
+                self.net = instantiate(net)
+            if not isinstance(self.net, nn.Module):
+                raise UserError(
+                    f"model.net._target_={net['_target_']} built a {type(self.net).__name__}, "
+                    "not a torch.nn.Module"
+                )
+        self.loss: Loss = loss if isinstance(loss, Loss) else make_loss(loss)
+        _, target = batch_target(data.collate("train", [(0, 0, 0)]))  # one item, to check
+        self.loss.check(target)
+        if isinstance(self.loss, NetOutput):
+            console.say(
+                "[yellow]note:[/] model.loss=output: the net averages its own loss over each "
+                "micro-batch, so accumulation averages per micro-batch (exact when micro-batches "
+                "hold equal numbers of targets)"
+            )
+        self.frozen = list(freeze)
+        freeze_parameters(self.net, self.frozen)
+        if gradient_checkpointing:
+            self._checkpoint_blocks()
+        if channels_last is None:
+            channels_last = any(isinstance(m, nn.Conv2d) for m in self.net.modules())
+        self.channels_last = channels_last
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+
+    def _checkpoint_blocks(self) -> None:
+        units = blocks(self.net)
+        if not units:
+            raise UserError(
+                "model.gradient_checkpointing=true: the net has no nn.ModuleList or "
+                "nn.Sequential of blocks to recompute"
+            )
+        for block in units:
+            recompute_in_backward(block)
+
+    def shard_units(self) -> list[nn.Module]:
+        return blocks(self.net)
+
+    def inputs(self, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        inputs, target = batch_target(batch)
+        if self.channels_last:
+            inputs = {
+                k: v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v
+                for k, v in inputs.items()
+            }
+        return inputs, target
+
+    def _run(self, batch: Batch):
+        """(the net's output, the target)."""
+        inputs, target = self.inputs(batch)
+        give_target = self.loss.target_to_net and target is not None
+        if len(inputs) == 1 and not self.keyword_inputs:
+            args = [*inputs.values(), *([target] if give_target else [])]
+            return self.net(*args), target
+        return self.net(**inputs, **({"labels": target} if give_target else {})), target
+
+    def _prediction(self, output):
+        return output if isinstance(self.loss, NetOutput) else prediction_of(output)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        output, target = self._run(batch)
+        return self.loss.total(self._prediction(output), target)
+
+    def num_targets(self, batch: Batch) -> int:
+        return self.loss.count(batch_target(batch)[1])
+
+    def num_tokens(self, batch: Batch) -> int:
+        """Tokens for text (the throughput unit of language models), else samples."""
+        if "input_ids" in batch:
+            return batch["input_ids"].numel()
+        return len(next(iter(batch.values())))
+
+    def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
+        output, target = self._run(batch)
+        if isinstance(self.loss, CrossEntropy):
+            return self.loss.eval_sums(prediction_of(output), target)
+        return {"loss": self.loss.total(self._prediction(output), target)}
+
+    def eval_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
+        metrics = {
+            k: v / max(count, 1)
+            for k, v in totals.items()
+            if not k.startswith(("tp_", "fp_", "fn_"))
+        }
+        f1 = macro_f1(totals)
+        return metrics if f1 is None else metrics | {"macro_f1": f1}
+
+    def describe(self) -> dict:
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return {"trainable_parameters": trainable, "frozen": self.frozen}
