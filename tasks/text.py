@@ -1,8 +1,9 @@
 """Text data for masked-language modelling, through Hugging Face `datasets`.
 
-Two sources share one path: `TextFiles` (any local text, one document per line) and
-`GeneratedText` (a corpus written locally from the seed). Both train a WordPiece tokenizer on the
-training text, cache it, tokenize with a cached `map` and cut the token stream into blocks.
+Three sources share one path: `TextFiles` (local text, json, csv or parquet), `HubText` and
+`GeneratedText` (a corpus written locally from the seed). Each trains a WordPiece tokenizer on the
+training text and caches it, or uses a pretrained one (`dataset.tokenizer`), then tokenizes with a
+cached `map` and cuts the token stream into blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
@@ -21,6 +23,10 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from runner.errors import UserError, first_line
 from runner.task import Batch, DataModule, require_kind, sample_rng
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# The trained WordPiece vocabulary's special tokens; a pretrained tokenizer brings its own ids.
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, SEP_ID, MASK_ID = 0, 3, 4
 IGNORE_INDEX = -100
@@ -76,11 +82,38 @@ def train_tokenizer(texts: datasets.Dataset, vocab_size: int, cache_dir: Path) -
     return tok
 
 
-def load_text(
-    source: str, load: dict, text_column: str, splits: dict[str, str]
-) -> datasets.DatasetDict:
-    """`datasets.load_dataset(**load)`, the same path for local files and Hub datasets, renamed to
-    splits "train" (and "validation" where there is one) with one column, "text"."""
+def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    """`AutoTokenizer.from_pretrained(name)` (a local folder or a Hub id), fast, with truncation and
+    padding off in its backend: a saved tokenizer.json may carry them, and they would cut documents
+    silently."""
+    from transformers import AutoTokenizer  # slow to import: only where a run asks for it
+
+    path = os.path.expanduser(name)
+    # A missing folder would reach the Hub client, whose complaint is about repo id syntax.
+    if name.startswith(("/", ".", "~")) and not os.path.isdir(path):
+        raise UserError(f"dataset.tokenizer={name!r} cannot be loaded: no such directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # offline Hub, a folder without tokenizer files: one line
+        raise UserError(f"dataset.tokenizer={name!r} cannot be loaded: {first_line(e)}") from None
+    if not tokenizer.is_fast:
+        raise UserError(
+            f"dataset.tokenizer={name!r} is a slow (Python) tokenizer: a fast one is needed"
+        )
+    tokenizer.backend_tokenizer.no_truncation()
+    tokenizer.backend_tokenizer.no_padding()
+    return tokenizer
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerFast) -> str:
+    """What a tokenized cache entry depends on. Taken right after loading: encoding with
+    `truncation=True` rewrites the backend's settings, and so its serialisation."""
+    return _digest(type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str())
+
+
+def load_splits(source: str, load: dict, splits: dict[str, str]) -> datasets.DatasetDict:
+    """`datasets.load_dataset(**load)`, the same path for local files and Hub datasets, with the
+    splits renamed ours ← theirs: "train" (required) and "validation" (where there is one)."""
     try:
         loaded = datasets.load_dataset(**load)
     except Exception as e:  # offline Hub, unreadable or malformed files: one line
@@ -91,18 +124,37 @@ def load_text(
         raise UserError(
             f"{source}: {load['path']!r} has no split {splits['train']!r} (it has: {', '.join(loaded)})"
         )
-    if text_column not in picked["train"].column_names:
+    return datasets.DatasetDict(picked)
+
+
+def require_column(key: str, column: str, table: datasets.Dataset, source: str) -> None:
+    """A config key naming a column the data lacks is one line naming the columns there are."""
+    if column not in table.column_names:
         raise UserError(
-            f"dataset.text_column={text_column!r} is not a column of {load['path']!r} "
-            f"(columns: {', '.join(picked['train'].column_names)})"
+            f"{key}={column!r} is not a column of {source!r} "
+            f"(columns: {', '.join(table.column_names)})"
         )
-    texts = datasets.DatasetDict({k: v.select_columns([text_column]) for k, v in picked.items()})
+
+
+def load_text(
+    source: str, load: dict, text_column: str, splits: dict[str, str]
+) -> datasets.DatasetDict:
+    """`load_splits`, with one column, "text"."""
+    picked = load_splits(source, load, splits)
+    for split in picked.values():
+        require_column("dataset.text_column", text_column, split, load["path"])
+    texts = picked.select_columns([text_column])
     return texts.rename_column(text_column, "text") if text_column != "text" else texts
 
 
 class TextCorpus(DataModule):
     """Token blocks of `seq_len` for MLM, with 15% of tokens masked by the 80/10/10 rule. The mask
-    of a sample is fixed by (seed, epoch, index), never by batch size or resume point."""
+    of a sample is fixed by (seed, epoch, index), never by batch size or resume point.
+
+    `tokenizer`: None trains a WordPiece tokenizer on the training text; a folder or Hub id uses
+    that pretrained tokenizer. Either way `tokenizer` is then a `tokenizers.Tokenizer`, and
+    `sep_id` (between documents), `mask_id` (None where a pretrained one has no mask token),
+    `pad_id` (blocks are never padded: for models that ask) and `vocab_size` are its ids."""
 
     kind = "text"
     objective = "mlm"  # a causal LM asks for "causal": labels are the tokens, nothing masked
@@ -119,6 +171,7 @@ class TextCorpus(DataModule):
         validation_fraction: float,
         num_workers: int,
         cache_dir: str,
+        tokenizer: str | None = None,
     ):
         if seq_len < 8:
             raise UserError(f"dataset.seq_len={seq_len} is invalid: must be ≥ 8")
@@ -130,27 +183,47 @@ class TextCorpus(DataModule):
             )
         self.seed, self.batch_size, self.seq_len = seed, batch_size, seq_len
         self.mlm_probability, self.num_workers = mlm_probability, num_workers
+        self.tokenizer_name = tokenizer
         raw = raw.filter(lambda row: isinstance(row["text"], str) and len(row["text"].strip()) > 0)
         if "validation" not in raw and validation_fraction > 0 and len(raw["train"]) > 1:
             raw = raw["train"].train_test_split(test_size=validation_fraction, seed=seed)
             raw["validation"] = raw.pop("test")
-        cache = Path(os.path.expanduser(cache_dir))
-        self.tokenizer = train_tokenizer(raw["train"], vocab_size, cache)
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        tok_hash = _digest(self.tokenizer.to_str(), seq_len)
+        if tokenizer is None:
+            cache = Path(os.path.expanduser(cache_dir))
+            self.tokenizer = train_tokenizer(raw["train"], vocab_size, cache)
+            self.vocab_size = self.tokenizer.get_vocab_size()
+            self.sep_id, self.mask_id, self.pad_id = SEP_ID, MASK_ID, PAD_ID
+            self.replacement_ids = np.arange(len(SPECIAL_TOKENS), self.vocab_size)
+        else:
+            self._use_pretrained(tokenizer)
+        tok_hash = _digest(self.tokenizer.to_str(), self.sep_id, seq_len)
         self.splits = {
             name: self._blocks(split, tok_hash).with_format("numpy") for name, split in raw.items()
         }
         if self.split_size("train") == 0:
             raise UserError(f"dataset: the training text has fewer than seq_len={seq_len} tokens")
 
+    def _use_pretrained(self, name: str) -> None:
+        hf = load_pretrained_tokenizer(name)
+        self.tokenizer, self.vocab_size = hf.backend_tokenizer, len(hf)
+        sep = hf.sep_token_id if hf.sep_token_id is not None else hf.eos_token_id
+        if sep is None:
+            raise UserError(
+                f"dataset.tokenizer={name!r} has neither a sep nor an eos token "
+                "to separate documents with"
+            )
+        self.sep_id, self.mask_id = sep, hf.mask_token_id
+        self.pad_id = hf.pad_token_id
+        # Random replacements (the 10%) are ordinary tokens, never [CLS], <s> or padding.
+        self.replacement_ids = np.setdiff1d(np.arange(self.vocab_size), hf.all_special_ids)
+
     def _blocks(self, split: datasets.Dataset, tok_hash: str) -> datasets.Dataset:
-        tokenizer, seq_len = self.tokenizer, self.seq_len
+        tokenizer, seq_len, sep_id = self.tokenizer, self.seq_len, self.sep_id
 
         def to_blocks(rows):
             ids: list[int] = []
             for enc in tokenizer.encode_batch(rows["text"], add_special_tokens=False):
-                ids += enc.ids + [SEP_ID]
+                ids += enc.ids + [sep_id]
             usable = len(ids) // seq_len * seq_len
             return {"input_ids": [ids[i : i + seq_len] for i in range(0, usable, seq_len)]}
 
@@ -166,20 +239,33 @@ class TextCorpus(DataModule):
         return len(self.splits[split]) if split in self.splits else 0
 
     def use_objective(self, objective: str) -> None:
+        """ "mlm" (the default) or "causal"; MLM needs a mask token."""
+        if objective == "mlm":
+            self._require_mask()
         self.objective = objective
+
+    def _require_mask(self) -> None:
+        if self.mask_id is None:
+            raise UserError(
+                f"dataset.tokenizer={self.tokenizer_name!r} has no mask token, so it cannot "
+                "serve masked-language modelling: use a causal model or another tokenizer"
+            )
 
     def collate(self, split: str, keys: list[tuple[int, int, int]]) -> Batch:
         ids = np.array(self.splits[split][[k[2] for k in keys]]["input_ids"], dtype=np.int64)
         if self.objective == "causal":
             return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(ids.copy())}
+        self._require_mask()  # an MLM model need not have called use_objective
         labels = np.full_like(ids, IGNORE_INDEX)
         for row, key in zip(range(len(ids)), keys, strict=True):
             rng = sample_rng(self.seed, *key)
             chosen = rng.random(self.seq_len) < self.mlm_probability
             action = rng.random(self.seq_len)
-            random_ids = rng.integers(len(SPECIAL_TOKENS), self.vocab_size, self.seq_len)
+            random_ids = self.replacement_ids[
+                rng.integers(0, len(self.replacement_ids), self.seq_len)
+            ]
             labels[row, chosen] = ids[row, chosen]
-            ids[row] = np.where(chosen & (action < 0.8), MASK_ID, ids[row])
+            ids[row] = np.where(chosen & (action < 0.8), self.mask_id, ids[row])
             ids[row] = np.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, ids[row])
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
 
