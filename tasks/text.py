@@ -95,7 +95,10 @@ def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerFast:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # offline Hub, a folder without tokenizer files: one line
-        raise UserError(f"dataset.tokenizer={name!r} cannot be loaded: {first_line(e)}") from None
+        cause = first_line(e).rstrip()
+        if cause.endswith(":"):  # what follows is the story (e.g. what it tried): keep it all
+            cause = " ".join(str(e).split())
+        raise UserError(f"dataset.tokenizer={name!r} cannot be loaded: {cause}") from None
     if not tokenizer.is_fast:
         raise UserError(
             f"dataset.tokenizer={name!r} is a slow (Python) tokenizer: a fast one is needed"

@@ -124,14 +124,14 @@ def test_sentence_pairs_carry_both_texts_and_segment_ids(tmp_path, tok):
     assert (batch["input_ids"][0] == hf.sep_token_id).sum() == 2
 
 
-def test_collate_pads_to_the_longest_text_of_the_batch(tmp_path, tok):
+def test_collate_pads_to_the_longest_text_of_the_batch_and_truncates_to_seq_len(tmp_path, tok):
     tok_dir, hf = tok
-    rows = [["the cat", "a"], ["the cat sat on the mat", "b"], ["dog", "a"]]
+    rows = [["the cat", "a"], ["the cat sat on the mat a dog ran on", "b"], ["dog", "a"]]
     path = _write_csv(tmp_path / "train.csv", ["text", "label"], rows)
     data = _data(tok_dir, f"dataset.data_files={path}", "dataset.validation_fraction=0")
     batch = _batch(data, "train", [0, 1, 2])
-    lengths = [4, 8, 3]  # [CLS] words [SEP]
-    assert batch["input_ids"].shape == (3, 8)
+    lengths = [4, 12, 3]  # [CLS] words [SEP]
+    assert batch["input_ids"].shape == (3, 12)
     assert batch["attention_mask"].sum(1).tolist() == lengths
     for row, n in enumerate(lengths):
         assert (batch["input_ids"][row, n:] == hf.pad_token_id).all()
@@ -139,7 +139,8 @@ def test_collate_pads_to_the_longest_text_of_the_batch(tmp_path, tok):
     assert {v.dtype for v in batch.values()} == {torch.int64}
     assert _batch(data, "train", [0, 2])["input_ids"].shape == (2, 4)
     short = _data(tok_dir, f"dataset.data_files={path}", "dataset.seq_len=8")
-    assert short.collate("train", [(0, 0, 0)])["input_ids"].shape[1] <= 8
+    long_text = _batch(short, "train", range(short.split_size("train")))["input_ids"]
+    assert long_text.shape[1] == 8 and hf.sep_token_id in long_text[:, -1]
 
 
 @pytest.mark.parametrize(
@@ -170,8 +171,11 @@ def test_no_tokenizer_and_an_ambiguous_source_are_clear_errors(tmp_path):
         _build(cfg)
 
 
-@pytest.mark.parametrize("kind", ["missing folder", "empty folder", "hub id offline"])
-def test_a_tokenizer_that_cannot_be_loaded_is_one_clear_error(tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind, cause",
+    [("missing folder", "no such directory"), ("empty folder", r"\S"), ("hub id offline", r"\S")],
+)
+def test_a_tokenizer_that_cannot_be_loaded_is_one_clear_error(tmp_path, kind, cause):
     name = "no-such-user/no-such-tokenizer" if kind == "hub id offline" else str(tmp_path / "tok")
     if kind == "empty folder":
         (tmp_path / "tok").mkdir()
@@ -179,9 +183,11 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_clear_error(tmp_path, kind):
     cfg = make_cfg(
         "dataset=text_files", f"dataset.data_files={tmp_path}/x.txt", f"dataset.tokenizer={name}"
     )
-    with pytest.raises(UserError, match=rf"^dataset.tokenizer='{name}' cannot be loaded: \S+") as e:
+    with pytest.raises(
+        UserError, match=rf"^dataset.tokenizer='{name}' cannot be loaded: {cause}"
+    ) as e:
         _build(cfg)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and not str(e.value).endswith(":")  # the cause, not a stub
 
 
 def test_a_corpus_uses_the_pretrained_tokenizers_ids(tmp_path, tok):
@@ -218,3 +224,31 @@ def test_a_corpus_uses_the_pretrained_tokenizers_ids(tmp_path, tok):
     assert not (batch["input_ids"][~chosen] == hf.mask_token_id).any()
     replaced = masked[(masked != hf.mask_token_id) & (masked != batch["labels"][chosen])]
     assert not set(replaced.tolist()) & set(hf.all_special_ids)
+
+
+def test_a_tokenizer_without_mask_token_serves_causal_models_only(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate([*WORDS, "[UNK]", "<eos>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>")
+    hf.save_pretrained(str(tmp_path / "gpt-like"))
+    (tmp_path / "docs.txt").write_text("the cat sat on the mat\n" * 30)
+    cfg = make_cfg(
+        "dataset=text_files",
+        f"dataset.data_files={tmp_path}/docs.txt",
+        f"dataset.tokenizer={tmp_path}/gpt-like",
+        "dataset.seq_len=8",
+    )
+    data = _build(cfg)
+    assert (data.sep_id, data.mask_id, data.pad_id) == (vocab["<eos>"], None, None)
+    with pytest.raises(UserError, match="has no mask token, so it cannot serve masked-language"):
+        data.collate("train", [(0, 0, 0)])
+    with pytest.raises(UserError, match="has no mask token"):
+        data.use_objective("mlm")
+    data.use_objective("causal")
+    batch = data.collate("train", [(0, 0, 0)])
+    assert torch.equal(batch["input_ids"], batch["labels"])
+    assert vocab["<eos>"] in batch["input_ids"] and vocab["[UNK]"] not in batch["input_ids"]
