@@ -23,6 +23,34 @@ from tasks.text import (
 )
 
 
+def _load(
+    path: str | None,
+    name: str | None,
+    data_files: str | Sequence[str] | None,
+    validation_files: str | Sequence[str] | None,
+    format: str,
+    splits: dict[str, str],
+    texts: list[str],
+    label_column: str,
+) -> datasets.DatasetDict:
+    """The text and label columns of a Hub dataset or of local files, through `load_splits`;
+    a missing column is one line naming its key and the columns there are."""
+    if path is not None:
+        key, source, load = "dataset.path", path, {"path": path, "name": name}
+    else:
+        files = {"train": _expand("dataset.data_files", data_files)}
+        if validation_files:
+            files["validation"] = _expand("dataset.validation_files", validation_files)
+        key, source = "dataset.data_files", str(data_files)
+        load = {"path": format, "data_files": files}
+    raw = load_splits(key, load, splits)
+    for split in raw.values():
+        for column in texts:
+            require_column("dataset.text_column", column, split, source)
+        require_column("dataset.label_column", label_column, split, source)
+    return raw.select_columns([*texts, label_column])
+
+
 class TextClassification(DataModule):
     """Tokenized texts (truncated to `seq_len`, unpadded until `collate`) and integer labels.
 
@@ -87,27 +115,16 @@ class TextClassification(DataModule):
         # Padding is masked out, so a tokenizer without a pad token (GPT-2) pads with eos.
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 
-        if path is not None:
-            source, load = path, {"path": path, "name": name}
-        else:
-            files = {"train": _expand("dataset.data_files", data_files)}
-            if validation_files:
-                files["validation"] = _expand("dataset.validation_files", validation_files)
-            source, load = str(data_files), {"path": format, "data_files": files}
-        key = "dataset.path" if path is not None else "dataset.data_files"
-        raw = load_splits(key, load, {"train": train_split, "validation": validation_split})
-        for split in raw.values():
-            for column in texts:
-                require_column("dataset.text_column", column, split, source)
-            require_column("dataset.label_column", label_column, split, source)
-        raw = raw.select_columns([*texts, label_column]).filter(
+        splits = {"train": train_split, "validation": validation_split}
+        raw = _load(path, name, data_files, validation_files, format, splits, texts, label_column)
+        raw = raw.filter(
             lambda row: (
                 row[label_column] is not None
                 and all(isinstance(row[c], str) and row[c].strip() for c in texts)
             )
         )
         if len(raw["train"]) == 0:
-            raise UserError(f"{key}: no training row has both a text and a label")
+            raise UserError("dataset: no training row has both a text and a label")
 
         to_id = self._label_ids(raw, label_column)
         if "validation" not in raw and validation_fraction > 0 and len(raw["train"]) > 1:

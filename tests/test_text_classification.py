@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 
 from runner.errors import UserError, building
-from tasks.text import IGNORE_INDEX
+from tasks.text import IGNORE_INDEX, SEP_ID
 from tests.helpers import make_cfg
 
 # Specials last, so their ids differ from the trained WordPiece's fixed PAD/SEP/MASK ids.
@@ -31,6 +31,21 @@ def tok(tmp_path_factory):
     hf = AutoTokenizer.from_pretrained(str(root / "tok"))
     assert hf.sep_token_id == len(WORDS) + 3  # the vocabulary was read, not a default one
     return str(root / "tok"), hf
+
+
+@pytest.fixture(scope="module")
+def eos_tok(tmp_path_factory):
+    """A GPT-like word-level tokenizer: an eos token, no sep, mask or pad token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate([*WORDS, "[UNK]", "<eos>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>")
+    folder = tmp_path_factory.mktemp("eos-tokenizer")
+    hf.save_pretrained(str(folder))
+    return str(folder), vocab
 
 
 def _write_csv(path, header, rows):
@@ -106,7 +121,7 @@ def test_integer_and_class_label_columns_keep_their_ids(tmp_path, tok):
     assert _batch(data, "train", range(12))["labels"].tolist() == [2, 0, 1] * 4
 
 
-def test_sentence_pairs_carry_both_texts_and_segment_ids(tmp_path, tok):
+def test_sentence_pairs_carry_both_texts_and_segment_ids(tmp_path, tok, eos_tok):
     tok_dir, hf = tok
     rows = [["the cat sat", "on the mat", "yes"], ["a dog ran", "the film", "no"]] * 3
     path = _write_csv(tmp_path / "pairs.csv", ["premise", "hypothesis", "label"], rows)
@@ -122,6 +137,15 @@ def test_sentence_pairs_carry_both_texts_and_segment_ids(tmp_path, tok):
     assert batch["token_type_ids"][0].tolist() == expected["token_type_ids"]
     assert batch["token_type_ids"][0].tolist() == [0] * 5 + [1] * 4  # [CLS] 3 [SEP] | 3 [SEP]
     assert (batch["input_ids"][0] == hf.sep_token_id).sum() == 2
+    # Another tokenizer on the same file is not served the first one's cached ids.
+    other = _data(
+        eos_tok[0],
+        f"dataset.data_files={path}",
+        "dataset.text_column=[premise,hypothesis]",
+        "dataset.validation_fraction=0",
+    )
+    assert _batch(other, "train", [0])["input_ids"][0].tolist() == [0, 2, 4, 6, 0, 7]  # no specials
+    assert "token_type_ids" not in _batch(other, "train", [0])
 
 
 def test_collate_pads_to_the_longest_text_of_the_batch_and_truncates_to_seq_len(tmp_path, tok):
@@ -194,14 +218,17 @@ def test_a_corpus_uses_the_pretrained_tokenizers_ids(tmp_path, tok):
     tok_dir, hf = tok
     docs = ["the cat sat on the mat", "a dog ran on the rug", "good film bad plot"] * 20
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n")
-    cfg = make_cfg(
+    cfg_args = [
         "dataset=text_files",
         f"dataset.data_files={tmp_path}/docs.txt",
         f"dataset.tokenizer={tok_dir}",
         "dataset.seq_len=16",
         "dataset.validation_fraction=0",
         "dataset.batch_size=64",
-    )
+    ]
+    cfg = make_cfg(*cfg_args)
+    # The trained WordPiece first, on the same file: the blocks' cache must tell the two apart.
+    assert _build(make_cfg(*(o for o in cfg_args if "tokenizer" not in o))).sep_id == SEP_ID
     data = _build(cfg)
     assert (data.sep_id, data.mask_id, data.pad_id) == (
         hf.sep_token_id,
@@ -226,20 +253,13 @@ def test_a_corpus_uses_the_pretrained_tokenizers_ids(tmp_path, tok):
     assert not set(replaced.tolist()) & set(hf.all_special_ids)
 
 
-def test_a_tokenizer_without_mask_token_serves_causal_models_only(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate([*WORDS, "[UNK]", "<eos>"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>")
-    hf.save_pretrained(str(tmp_path / "gpt-like"))
+def test_a_tokenizer_without_mask_token_serves_causal_models_only(tmp_path, eos_tok):
+    tok_dir, vocab = eos_tok
     (tmp_path / "docs.txt").write_text("the cat sat on the mat\n" * 30)
     cfg = make_cfg(
         "dataset=text_files",
         f"dataset.data_files={tmp_path}/docs.txt",
-        f"dataset.tokenizer={tmp_path}/gpt-like",
+        f"dataset.tokenizer={tok_dir}",
         "dataset.seq_len=8",
     )
     data = _build(cfg)
