@@ -28,8 +28,11 @@ DATASETS = {
 }
 
 
-def load_config(name_or_path: str, task: str, data: DataModule) -> transformers.PretrainedConfig:
-    """The model's config, its head and input shapes fitted to the dataset."""
+def load_config(
+    name_or_path: str, task: str, pretrained: bool, data: DataModule
+) -> transformers.PretrainedConfig:
+    """The model's config, its head fitted to the dataset's classes (and, when built from the
+    config, its input shape to the dataset's images)."""
     try:
         config = transformers.AutoConfig.from_pretrained(name_or_path)
     except Exception as e:  # not a directory, the Hub offline, a malformed config: one line
@@ -44,35 +47,42 @@ def load_config(name_or_path: str, task: str, data: DataModule) -> transformers.
             config.label2id = {name: i for i, name in enumerate(names)}
     if task == "image_classification":
         for key, value in (("num_channels", data.channels), ("image_size", data.image_size)):
-            if getattr(config, key, value) != value:
+            if not hasattr(config, key):
+                continue
+            if not pretrained:  # built from the config: shaped to the data
+                setattr(config, key, value)
+            elif getattr(config, key) != value:
                 raise UserError(
                     f"dataset.{key.replace('num_', '')}={value} but model.name_or_path="
                     f"{name_or_path!r} takes {getattr(config, key)}: set dataset."
                     f"{key.replace('num_', '')}={getattr(config, key)}"
                 )
-    if TASKS[task][1] == "text":
-        vocab = config.vocab_size
-        if data.vocab_size > vocab:
-            raise UserError(
-                f"the dataset's tokenizer has {data.vocab_size} tokens, but model.name_or_path="
-                f"{name_or_path!r} has a vocabulary of {vocab}: use the model's tokenizer "
-                "(dataset.tokenizer, by default the model's own)"
-            )
-        positions = getattr(config, "max_position_embeddings", getattr(config, "n_positions", None))
-        if positions is not None and data.seq_len > positions:
-            raise UserError(
-                f"dataset.seq_len={data.seq_len} is invalid: model.name_or_path={name_or_path!r} "
-                f"takes at most {positions} positions"
-            )
     return config
+
+
+def _check_text_fits(config: transformers.PretrainedConfig, name_or_path: str, data) -> None:
+    """The dataset's tokens and blocks fit the model's vocabulary and positions."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and data.vocab_size > vocab:
+        raise UserError(
+            f"the dataset's tokenizer has {data.vocab_size} tokens, but model.name_or_path="
+            f"{name_or_path!r} has a vocabulary of {vocab}: use the model's tokenizer "
+            "(dataset.tokenizer, by default the model's own)"
+        )
+    positions = getattr(config, "max_position_embeddings", getattr(config, "n_positions", None))
+    if positions is not None and data.seq_len > positions:
+        raise UserError(
+            f"dataset.seq_len={data.seq_len} is invalid: model.name_or_path={name_or_path!r} "
+            f"takes at most {positions} positions"
+        )
 
 
 def _check_data(task: str, data: DataModule) -> None:
     kind = TASKS[task][1]
     if kind is not None and data.kind != kind:
         raise UserError(
-            f"model.task={task} needs a {kind} dataset ({DATASETS[kind]}), but dataset gives "
-            f"{data.kind} data"
+            f"model.task={task} reads {kind} data (dataset={DATASETS[kind]}), but the dataset "
+            f"gives {data.kind} data"
         )
     if task == "causal_lm":
         data.use_objective("causal")
@@ -99,7 +109,7 @@ class HFModel(ModuleTask):
         if task not in TASKS:
             raise UserError(f"model.task={task!r} is invalid: allowed: {', '.join(TASKS)}")
         _check_data(task, data)
-        config = load_config(name_or_path, task, data)
+        config = load_config(name_or_path, task, pretrained, data)
         auto = getattr(transformers, TASKS[task][0])
         try:
             if pretrained:
@@ -113,6 +123,8 @@ class HFModel(ModuleTask):
                 f"model.task={task} is not supported by {config.model_type} models "
                 f"(model.name_or_path={name_or_path!r}): {first_line(e)}"
             ) from None
+        if TASKS[task][1] == "text":
+            _check_text_fits(config, name_or_path, data)
         saved = getattr(config, "dtype", None) if pretrained else None
         self.source = {
             "model_source": name_or_path,

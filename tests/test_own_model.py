@@ -170,6 +170,7 @@ def _saved_bytes_and_grads(task, batch, precision: str):
         return t
 
     task.zero_grad()
+    torch.manual_seed(0)  # the same dropout masks for both
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=dtype):
