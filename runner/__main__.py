@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.cli import fail, informational, is_multirun, preflight, sweep_keys
+from runner.cli import fail, informational, is_multirun, preflight, sweep_keys, with_seeds
 from runner.compare import CompareCallback
 from runner.errors import Preempted, UserError, first_line
 from runner.tracking import SWEEP_KEYS_ENV
@@ -39,6 +39,7 @@ def job(cfg: DictConfig) -> float | None:
 def main() -> None:
     args = sys.argv[1:]
     try:
+        args = sys.argv[1:] = with_seeds(args)  # runner.seeds=N: a seed sweep Hydra runs
         preflight(args)
         if is_multirun(args) and not informational(args):
             os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))

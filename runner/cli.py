@@ -48,7 +48,51 @@ def _parse(args: list[str]):
 
 
 def is_multirun(args: list[str]) -> bool:
-    return "-m" in args or "--multirun" in args
+    """`-m`, `hydra.mode=MULTIRUN`, or an experiment that is a sweep by itself (amp_check)."""
+    if "-m" in args or "--multirun" in args or "hydra.mode=MULTIRUN" in args:
+        return True
+    from omegaconf import OmegaConf
+
+    from runner import CONF_DIR
+
+    for arg in args:
+        key, _, name = arg.lstrip("+").partition("=")
+        path = CONF_DIR / "experiment" / f"{name}.yaml"
+        if key == "experiment" and path.is_file():
+            if OmegaConf.select(OmegaConf.load(path), "hydra.mode") == "MULTIRUN":
+                return True
+    return False
+
+
+def with_seeds(args: list[str]) -> list[str]:
+    """The command line with `runner.seeds=N` (N > 1) as a seed sweep, `seed=S,S+1,...,S+N-1`
+    from the `seed=S` given (else 0): every job of the multirun then runs once per seed.
+    Raises UserError for a single run, or next to a seed sweep."""
+    if informational(args):
+        return args
+    try:
+        overrides = {o.get_key_element().lstrip("+~"): o for o in _parse(args)}
+    except Exception as e:
+        raise UserError(f"cannot parse the command line: {_one_line(e)}") from None
+    option = overrides.get("runner.seeds")
+    if option is not None and option.is_sweep_override():
+        raise UserError(f"{option.input_line} is invalid: one number, not a sweep")
+    n = option.value() if option is not None else 1
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        return args  # 1, or a bad value that composing and validating report
+    if not is_multirun(args):
+        raise UserError(
+            f"runner.seeds={n} repeats the jobs of a sweep: add -m "
+            f"(python -m runner -m runner.seeds={n} ...), or set seed=... for one run"
+        )
+    seed = overrides.get("seed")
+    if seed is not None and (seed.is_sweep_override() or not isinstance(seed.value(), int)):
+        raise UserError(
+            f"runner.seeds={n} and {seed.input_line} both choose the seeds: give one of them"
+        )
+    first = seed.value() if seed is not None else 0
+    sweep = "seed=" + ",".join(str(first + i) for i in range(n))
+    return [a for a in args if a != (seed.input_line if seed else None)] + [sweep]
 
 
 def sweep_keys(args: list[str]) -> list[str]:

@@ -3,6 +3,8 @@
 Reads each job folder's summary.json, metrics.jsonl and .hydra/config.yaml; writes compare.md,
 compare.csv, compare.json and compare.png into the sweep folder, prints the table, and logs it to
 the sweep's W&B group. Also runs by itself at the end of every multirun (`CompareCallback`).
+Each job is checked against the fp32 job of the same overrides and seed (its health, its loss
+curve's gap); jobs that differ only by their seed make one row (runner/seeds.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from runner import report
 from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 from runner.report import as_float
+from runner.seeds import Group, judge
 
-TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence"
-MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
+TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence" (one seed)
 MAX_SKIPPED_SHARE = 0.5
 
 
@@ -33,8 +35,7 @@ class Job:
     rows: list[dict]
     config: dict
     overrides: list[str]
-    label: str = ""
-    verdict: str = ""
+    verdict: str = ""  # why it failed, diverged or overflowed; its group's verdict says the rest
     figures: dict = field(default_factory=dict)
 
     @property
@@ -42,8 +43,14 @@ class Job:
         return self.summary.get("precision") or self.config.get("precision", {}).get("mode", "?")
 
     @property
-    def healthy(self) -> bool:
-        return self.figures.get("health") == "ok"
+    def context(self) -> tuple:
+        """What must match for two jobs to be compared: every override but the precision."""
+        return tuple(sorted(o for o in self.overrides if not o.startswith("precision")))
+
+    @property
+    def setting(self) -> tuple:
+        """Its context but the seed: what the seeds of one group share."""
+        return tuple(o for o in self.context if o.partition("=")[0] != "seed")
 
 
 def _read_job(folder: Path) -> Job:
@@ -115,36 +122,41 @@ def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
     return out
 
 
-def _context(job: Job) -> tuple:
-    """What must match for two jobs to be compared: every override but the precision."""
-    return tuple(sorted(o for o in job.overrides if not o.startswith("precision")))
+def _label(job: Job, keys: set[str]) -> str:
+    """Its group's name: the precision and the values of `keys` it overrides ("bf16 lr=1e-3")."""
+    values = [
+        f"{k.rsplit('.', 1)[-1]}={v}"
+        for k, _, v in (o.partition("=") for o in job.context)
+        if k in keys
+    ]
+    return " ".join([job.precision, *values])
 
 
-def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
-    """Fill each job's figures (vs the fp32 job of the same context) and verdict."""
+def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> list[Group]:
+    """Fill each job's figures (vs the fp32 job of the same context) and health; return the
+    groups of jobs that differ only by their seed, with their figures and verdicts (a loss
+    within `tolerance` of fp32's is the same convergence where seed noise is untested)."""
     baselines = {
-        _context(j): j
+        j.context: j
         for j in jobs
         if j.precision == "fp32" and j.summary.get("status") == "completed"
     }
     values: dict[str, set[str]] = {}
     for job in jobs:
-        for key, _, value in (o.partition("=") for o in _context(job)):
+        for key, _, value in (o.partition("=") for o in job.context):
             values.setdefault(key, set()).add(value)
-    varying = {key for key, seen in values.items() if len(seen) > 1}
+    varying = {key for key, seen in values.items() if len(seen) > 1 and key != "seed"}
+    groups: dict[tuple, Group] = {}
     for job in jobs:
         s = job.summary
-        others = [
-            f"{k.rsplit('.', 1)[-1]}={v}"
-            for k, _, v in (o.partition("=") for o in _context(job))
-            if k in varying
-        ]
-        job.label = " ".join([job.precision, *others])
+        key = (job.precision, job.setting)
+        groups.setdefault(key, Group([], _label(job, varying))).jobs.append(job)
         steps = s.get("steps") or len(job.rows)
         final_loss = as_float(s.get("final_loss"))
         skipped = s.get("skipped_steps") or 0
         f = job.figures = {
             "samples_per_s": as_float(s.get("samples_per_s")),
+            "samples_per_s_iqr": as_float(s.get("samples_per_s_iqr")),
             "peak_memory_mb": as_float(s.get("peak_memory_mb")),
             "final_loss": final_loss,
             "eval_loss": as_float(s.get("eval_loss")),
@@ -154,7 +166,7 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             "mfu": as_float(s.get("mfu")),
             "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
         }
-        base = baselines.get(_context(job))
+        base = baselines.get(job.context)
         if base is not None:
             b = base.summary
             f["speedup"] = f["samples_per_s"] / as_float(b.get("samples_per_s"))
@@ -184,47 +196,20 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> None:
             f["health"] = "overflow" if job.precision in LOSS_SCALED_MODES else "diverged"
             what = "overflowed" if job.precision in LOSS_SCALED_MODES else "diverged"
             job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
-        elif base is not None and f["final_loss_gap"] > tolerance:
-            f["health"] = "worse"
-            job.verdict = f"loss {f['final_loss_gap']:+.1%} vs fp32 — not recommended"
         else:
             f["health"] = "ok"
-    _recommend(jobs, baselines)
+    judge(list(groups.values()), tolerance)
+    return list(groups.values())
 
 
-def _recommend(jobs: list[Job], baselines: dict) -> None:
-    for context, base in baselines.items():
-        group = [j for j in jobs if _context(j) == context and j.healthy]
-        fast = [j for j in group if j is not base and j.figures.get("speedup", 0) >= MIN_SPEEDUP]
-        best = max(fast, key=lambda j: j.figures["speedup"], default=base)
-        for job in group:
-            f = job.figures
-            if job is base:
-                job.verdict = "baseline" + (
-                    " — recommended: no mode is faster here" if best is base else ""
-                )
-                continue
-            speed = f"{f['speedup']:.2f}× {'faster' if f['speedup'] >= 1 else 'the speed'}"
-            loss = f"loss within {abs(f['final_loss_gap']):.1%} of fp32"
-            tail = (
-                "recommended"
-                if job is best
-                else ("no gain" if f["speedup"] < MIN_SPEEDUP else "ok")
-            )
-            job.verdict = f"{speed}, {loss} — {tail}"
-    for job in jobs:
-        if not job.verdict:
-            job.verdict = "no fp32 run to compare with"
-
-
-def compare(sweep_dir: Path, tolerance: float = TOLERANCE, wandb_log: bool = True) -> list[Job]:
-    jobs = load_sweep(sweep_dir)
-    analyse(jobs, tolerance)
-    paths = report.write(jobs, sweep_dir)
-    report.show(jobs, sweep_dir, paths)
+def compare(sweep_dir: Path, tolerance: float = TOLERANCE, wandb_log: bool = True) -> list[Group]:
+    """The comparison of a sweep, written, shown and logged: one group per row."""
+    groups = analyse(load_sweep(sweep_dir), tolerance)
+    paths = report.write(groups, sweep_dir)
+    report.show(groups, sweep_dir, paths)
     if wandb_log:
-        report.log_to_wandb(jobs, sweep_dir, paths)
-    return jobs
+        report.log_to_wandb(groups, sweep_dir, paths)
+    return groups
 
 
 class CompareCallback(Callback):
@@ -238,11 +223,13 @@ class CompareCallback(Callback):
         if not from_env().main:  # under torchrun, rank 0 compares
             return
         try:
-            jobs = compare(Path(config.hydra.sweep.dir))
+            groups = compare(Path(config.hydra.sweep.dir))
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return
-        CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
+        CompareCallback.failed_jobs = sum(
+            j.summary.get("status") != "completed" for g in groups for j in g.jobs
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

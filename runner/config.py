@@ -97,10 +97,18 @@ class LoggerConfig:
 
 
 @dataclass
+class RunnerConfig:
+    # A multirun runs each job with this many seeds (seed, seed+1, ...): runner/cli.py expands it,
+    # and the comparison weighs a precision's loss gap against the seed-to-seed spread.
+    seeds: int = 1
+
+
+@dataclass
 class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
     model: Any = MISSING
     dataset: Any = MISSING
     optim: Any = MISSING
@@ -209,13 +217,14 @@ def _validate_optim(optim) -> None:
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than a type: ranges and choices. Raises UserError."""
     t, p = cfg.trainer, cfg.precision
-    _require(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be ≥ 1")
-    _require(
-        t.accumulate_grad_batches >= 1,
-        "trainer.accumulate_grad_batches",
-        t.accumulate_grad_batches,
-        "must be ≥ 1",
-    )
+    for key in (
+        "max_steps",
+        "accumulate_grad_batches",
+        "log_every_n_steps",
+        "keep_last_k",
+        "max_consecutive_nonfinite",
+    ):
+        _require(t[key] >= 1, f"trainer.{key}", t[key], "must be ≥ 1")
     _require(
         t.gradient_clip_val is None or t.gradient_clip_val >= 0,
         "trainer.gradient_clip_val",
@@ -228,18 +237,8 @@ def validate(cfg: DictConfig) -> None:
         t.gradient_clip_algorithm,
         "allowed: norm, value",
     )
-    _require(
-        t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps, "must be ≥ 1"
-    )
     warmup = t.benchmark.warmup_steps
     _require(warmup >= 0, "trainer.benchmark.warmup_steps", warmup, "must be ≥ 0")
-    _require(t.keep_last_k >= 1, "trainer.keep_last_k", t.keep_last_k, "must be ≥ 1")
-    _require(
-        t.max_consecutive_nonfinite >= 1,
-        "trainer.max_consecutive_nonfinite",
-        t.max_consecutive_nonfinite,
-        "must be ≥ 1",
-    )
     for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")
     _require(
@@ -294,4 +293,5 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
+    _require(cfg.runner.seeds >= 1, "runner.seeds", cfg.runner.seeds, "must be ≥ 1")
     _validate_optim(cfg.optim)

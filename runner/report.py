@@ -1,5 +1,6 @@
 """The comparison's outputs: the table (compare.md, compare.csv, compare.json, and printed), the
-loss plot (compare.png), and the `compare` run in the sweep's W&B group."""
+loss plot (compare.png), and the `compare` run in the sweep's W&B group. One row per group of
+seeds (runner/seeds.py): one per job where the sweep has one seed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from runner import console
 from runner.config import LOSS_SCALED_MODES
 
 if TYPE_CHECKING:
-    from runner.compare import Job
+    from runner.seeds import Group
 
 
 def as_float(value) -> float:
@@ -27,10 +28,14 @@ COLUMNS = [
     ("precision", "label", "{}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}×"),
+    ("samples/s IQR", "samples_per_s_iqr", "{:.1f}"),
     ("peak MB", "peak_memory_mb", "{:.0f}"),
     ("mem saving", "memory_saving", "{:+.0%}"),
+    ("seeds", "seeds", "{}"),
     ("final loss", "final_loss", "{:.4f}"),
     ("eval loss", "eval_loss", "{:.4f}"),
+    ("gap (spreads)", "gap_in_spreads", "{:+.1f}"),
+    ("diverged", "divergence_rate", "{:.0%}"),
     ("max loss gap", "max_loss_gap", "{:.1%}"),
     ("skipped", "skipped_steps", "{}"),
     ("loss scale", "final_loss_scale", "{:g}"),
@@ -40,20 +45,42 @@ COLUMNS = [
 ]
 
 
-def _cell(job: Job, key: str, fmt: str) -> str:
-    value = getattr(job, key) if key in ("label", "verdict") else job.figures.get(key)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _cell(group: Group, key: str, fmt: str) -> str:
+    value = getattr(group, key) if key in ("label", "verdict") else group.figures.get(key)
+    if not _known(value):
         return "—"
-    return fmt.format(value)
+    std = group.figures.get(f"{key}_std")  # the losses over several seeds: mean ± std
+    return fmt.format(value) + (f" ± {fmt.format(std)}" if _known(std) else "")
 
 
-def table(jobs: list[Job]) -> list[list[str]]:
+def table(groups: list[Group]) -> list[list[str]]:
     return [[name for name, _, _ in COLUMNS]] + [
-        [_cell(j, k, f) for _, k, f in COLUMNS] for j in jobs
+        [_cell(g, k, f) for _, k, f in COLUMNS] for g in groups
     ]
 
 
-def plot(jobs: list[Job], path: Path) -> None:
+def _curve(group: Group) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, and the mean, least and greatest loss at each over the group's good seeds."""
+    by_step: dict[int, list[float]] = {}
+    for job in group.counted:
+        for r in job.rows:
+            if math.isfinite(as_float(r.get("loss"))):
+                by_step.setdefault(r["step"], []).append(r["loss"])
+    steps = sorted(by_step)
+    losses = [by_step[s] for s in steps]
+    return (
+        steps,
+        [sum(v) / len(v) for v in losses],
+        [min(v) for v in losses],
+        [max(v) for v in losses],
+    )
+
+
+def plot(groups: list[Group], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,13 +88,20 @@ def plot(jobs: list[Job], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     scale_ax = None
-    for job in jobs:
-        rows = [r for r in job.rows if math.isfinite(as_float(r.get("loss")))]
-        if rows:
-            ax.plot(
-                [r["step"] for r in rows], [r["loss"] for r in rows], label=job.label, linewidth=1.2
-            )
-        if job.precision in LOSS_SCALED_MODES and job.rows:
+    for group in groups:
+        steps, mean, low, high = _curve(group)
+        seeds, label = len(group.counted), group.label
+        if len(group.jobs) > 1:
+            of = f" of {len(group.jobs)}" if seeds < len(group.jobs) else ""
+            label += f" (mean of {seeds}{of} seeds, band: min–max)"
+        if steps:
+            (line,) = ax.plot(steps, mean, label=label, linewidth=1.2)
+            if seeds > 1:
+                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        scaled = (
+            [j for j in group.counted if j.rows] if group.precision in LOSS_SCALED_MODES else []
+        )
+        for i, job in enumerate(scaled):
             scale_ax = scale_ax or ax.twinx()
             scale_ax.plot(
                 [r["step"] for r in job.rows],
@@ -75,7 +109,7 @@ def plot(jobs: list[Job], path: Path) -> None:
                 "--",
                 color="grey",
                 linewidth=1,
-                label=f"{job.label} loss scale",
+                label="_nolegend_" if i else f"{group.label} loss scale",
             )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
@@ -92,8 +126,8 @@ def plot(jobs: list[Job], path: Path) -> None:
     plt.close(fig)
 
 
-def write(jobs: list[Job], sweep_dir: Path) -> dict[str, Path]:
-    rows = table(jobs)
+def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
+    rows = table(groups)
     paths = {ext: sweep_dir / f"compare.{ext}" for ext in ("md", "csv", "json", "png")}
     md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
@@ -104,25 +138,24 @@ def write(jobs: list[Job], sweep_dir: Path) -> dict[str, Path]:
         csv.writer(f).writerows(rows)
     records = [
         {
-            "job": j.folder.name,
-            "precision": j.precision,
-            "label": j.label,
-            "status": j.summary.get("status"),
-            "verdict": j.verdict,
-            **{
-                k: (None if isinstance(v, float) and math.isnan(v) else v)
-                for k, v in j.figures.items()
-            },
+            "job": g.jobs[0].folder.name,  # the first seed's
+            "jobs": [j.folder.name for j in g.jobs],
+            "precision": g.precision,
+            "label": g.label,
+            "status": g.status,
+            "verdict": g.verdict,
+            **{k: (v if _known(v) else None) for k, v in g.figures.items()},
         }
-        for j in jobs
+        for g in groups
     ]
     paths["json"].write_text(json.dumps(records, indent=2) + "\n")
-    plot(jobs, paths["png"])
+    plot(groups, paths["png"])
     return paths
 
 
-def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> None:
+def log_to_wandb(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     """The table and the plot as a `compare` run in the sweep's W&B group (where jobs used W&B)."""
+    jobs = [j for g in groups for j in g.jobs]
     logger = next((j.config.get("logger") for j in jobs if j.config.get("logger")), None)
     if not logger or logger.get("backend") != "wandb" or logger.get("mode") == "disabled":
         return
@@ -141,7 +174,7 @@ def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> No
             reinit="finish_previous",
             settings=wandb.Settings(silent=True, console="off"),
         )
-        rows = table(jobs)
+        rows = table(groups)
         run.log(
             {
                 "comparison": wandb.Table(columns=rows[0], data=rows[1:]),
@@ -153,11 +186,11 @@ def log_to_wandb(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> No
         console.say(f"[yellow]warning:[/] W&B logging of the comparison failed ({e})")
 
 
-def show(jobs: list[Job], sweep_dir: Path, paths: dict[str, Path]) -> None:
+def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    rows = table(jobs)
+    rows = table(groups)
     shown = Table(title=f"precision comparison — {sweep_dir}", title_justify="left")
     for name in rows[0]:
         shown.add_column(name, overflow="fold")

@@ -65,6 +65,12 @@ def read_later(value: torch.Tensor) -> Callable[[], float]:
     return read
 
 
+def _iqr(values: list[float]) -> float:
+    """The interquartile range (linear interpolation between the values, as numpy's default)."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
+
+
 def batch_samples(window: list[Batch]) -> int:
     return sum(len(next(iter(b.values()))) for b in window)
 
@@ -87,6 +93,7 @@ class Meter:
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
         self._pending: list[dict] = []
+        self._interval_ends: list[int] = []  # the last step of each interval this run timed
 
     def start(self, step: int) -> None:
         self.first_step = step
@@ -179,6 +186,7 @@ class Meter:
                 }
             )
         self.rows += rows
+        self._interval_ends.append(rows[-1]["step"])
         return rows
 
     def lap(self) -> None:
@@ -187,10 +195,14 @@ class Meter:
 
     def speed(self) -> dict:
         """Median throughput, median and p90 step time, and the share of step time spent waiting
-        for data, over the steady window (this run's steps after the warm-up)."""
+        for data, over the steady window (this run's steps after the warm-up). The spread: the
+        interquartile ranges of throughput and step time over the window's steps, which are
+        timed by interval; None where the window has fewer than two intervals to compare."""
         start = self.first_step + self.cfg.benchmark.warmup_steps
         steady = [r for r in self.rows if r["step"] > start] or self.rows[-1:]
         times = [r["step_time_s"] for r in steady]
+        intervals = sum(end > start for end in self._interval_ends)
+        throughput = [r["samples_per_s"] for r in steady]
         wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
         if wait_share > INPUT_BOUND_SHARE:
             console.say(
@@ -198,11 +210,14 @@ class Meter:
                 "which no precision speeds up; raise dataset.num_workers or make loading cheaper"
             )
         return {
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in steady),
+            "samples_per_s": statistics.median(throughput),
+            "samples_per_s_iqr": _iqr(throughput) if intervals > 1 else None,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
             "step_time_s": statistics.median(times),
+            "step_time_s_iqr": _iqr(times) if intervals > 1 else None,
             # Nearest rank: one of the measured times, never below the median.
             "step_time_p90_s": sorted(times)[math.ceil(0.9 * len(times)) - 1],
+            "speed_intervals": intervals,
             "data_wait_share": wait_share,
         }
 

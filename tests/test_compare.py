@@ -1,4 +1,5 @@
-"""The comparison report: figures against fp32, verdicts, failed and diverged jobs, bad input."""
+"""The comparison report: figures against fp32, verdicts, failed and diverged jobs, seeds, the
+speed spread, bad input."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+from runner import report, telemetry
 from runner.compare import compare
 from runner.errors import UserError
 from runner.run import run
@@ -43,13 +48,14 @@ def sweep(tmp_path_factory):
 
 
 def test_every_job_gets_a_row_and_an_honest_verdict(sweep):
-    jobs = {j.folder.name: j for j in compare(sweep, wandb_log=False)}
+    jobs = {g.jobs[0].folder.name: g for g in compare(sweep, wandb_log=False)}
     assert jobs["0"].verdict.startswith("baseline")
     assert jobs["0"].figures["speedup"] == pytest.approx(1.0)
     bf16 = jobs["1"]
     assert bf16.figures["max_loss_gap"] < 0.05 and "of fp32" in bf16.verdict
+    assert "(one seed: untested against seed noise)" in bf16.verdict
     assert bf16.figures["speedup"] == pytest.approx(
-        bf16.summary["samples_per_s"] / jobs["0"].summary["samples_per_s"]
+        bf16.jobs[0].summary["samples_per_s"] / jobs["0"].jobs[0].summary["samples_per_s"]
     )
     assert jobs["2"].verdict == "overflowed: 20 of 20 steps skipped — not recommended"
     assert jobs["3"].verdict.startswith("diverged")
@@ -89,3 +95,176 @@ def test_empty_or_mixed_folders_are_one_clear_error(tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.startswith("error: compare:")
     assert "Traceback" not in proc.stderr
+
+
+def fake_job(
+    folder: Path,
+    precision: str,
+    seed: int | None = None,
+    eval_loss: float = 2.0,
+    speed: float = 100.0,
+    iqr: float | None = 2.0,
+    diverged: bool = False,
+) -> None:
+    """A finished job as the runner leaves it, without training: its loss falls to `eval_loss`."""
+    losses = [eval_loss + (20 - step) / 20 for step in range(1, 21)]
+    if diverged:
+        losses[-5:] = ["nan"] * 5  # as tracking.jsonable writes a non-finite loss
+    summary = {
+        "status": "completed",
+        "precision": precision,
+        "final_loss": losses[-1],
+        "eval_loss": "nan" if diverged else eval_loss,
+        "samples_per_s": speed,
+        "samples_per_s_iqr": iqr,
+        "steps": 20,
+        "skipped_steps": 0,
+        "peak_memory_mb": 100.0,
+    }
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = [{"step": i + 1, "loss": loss, "loss_scale": 1.0} for i, loss in enumerate(losses)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"precision": {"mode": precision}, "seed": seed or 0, "model": {"_target_": "a.MLP"}}
+    OmegaConf.save(OmegaConf.create(config), folder / ".hydra" / "config.yaml")
+    overrides = [f"precision={precision}", *([f"seed={seed}"] if seed is not None else [])]
+    OmegaConf.save(OmegaConf.create(overrides), folder / ".hydra" / "overrides.yaml")
+
+
+def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
+    """`-m precision=fp32,bf16 runner.seeds=3`: jobs 0-2 fp32, 3-5 bf16. The groups compared,
+    and compare.json's rows by label."""
+    for i, loss in enumerate(fp32):
+        fake_job(root / str(i), "fp32", seed=i, eval_loss=loss)
+    for i, loss in enumerate(bf16):
+        fake_job(root / str(len(fp32) + i), "bf16", seed=i, eval_loss=loss, **bf16_job)
+    groups = compare(root, wandb_log=False)
+    return groups, {r["label"]: r for r in json.loads((root / "compare.json").read_text())}
+
+
+@pytest.mark.parametrize(
+    "fp32, bf16, gap, verdict",
+    [
+        (
+            [2.00, 2.02, 1.98],
+            [2.01, 2.03, 1.99],
+            0.5,
+            "1.50× faster, eval loss within seed noise of fp32 (+0.5 spreads, 3 seeds) — "
+            "recommended",
+        ),
+        (
+            [2.00, 2.02, 1.98],
+            [2.10, 2.12, 2.08],
+            5.0,
+            "worse than fp32 beyond seed noise: eval loss +5.0% (+5.0 spreads, 3 seeds) — "
+            "not recommended",
+        ),
+        # Seeds that agree exactly (std 0): no gap where the means agree, a huge one elsewhere.
+        ([2.0] * 3, [2.0] * 3, 0.0, "1.50× faster, eval loss within seed noise"),
+        ([2.0] * 3, [2.001] * 3, 500.0, "worse than fp32 beyond seed noise"),
+    ],
+)
+def test_three_seeds_give_means_spreads_and_a_verdict_against_seed_noise(
+    tmp_path, fp32, bf16, gap, verdict
+):
+    groups, rows = seed_sweep(tmp_path, fp32, bf16, speed=150.0, iqr=3.0)
+    assert list(rows) == ["fp32", "bf16"]  # one row per precision, not per seed
+    base, row = rows["fp32"], rows["bf16"]
+    assert row["jobs"] == ["3", "4", "5"] and row["job"] == "3" and row["seeds"] == 3
+    assert row["eval_loss_mean"] == row["eval_loss"] == pytest.approx(np.mean(bf16))
+    assert row["eval_loss_std"] == pytest.approx(np.std(bf16, ddof=1), abs=1e-12)
+    assert row["gap_in_spreads"] == pytest.approx(gap, rel=1e-3)
+    assert row["divergence_rate"] == 0 and row["gap_metric"] == "eval_loss"
+    assert row["samples_per_s_iqr"] == 3.0 and row["speed_source"] == "jobs"
+    assert row["speedup"] == pytest.approx(1.5) and row["verdict"].startswith(verdict)
+    assert base["gap_in_spreads"] == 0 and base["verdict"].startswith("baseline")
+    assert {"final_loss", "final_loss_std", "max_loss_gap", "status", "health"} <= set(row)
+    table = (tmp_path / "compare.md").read_text()
+    assert "| bf16 | 150.0 | 1.50× | 3.0 |" in table and f"{np.mean(fp32):.4f} ± " in table
+    steps, mean, low, high = report._curve(groups[1])  # compare.png: the mean and a band
+    assert steps == list(range(1, 21)) and mean[-1] == pytest.approx(np.mean(bf16))
+    assert (low[-1], high[-1]) == (min(bf16), max(bf16))
+
+
+def test_a_mode_that_diverged_in_one_seed_of_three_is_not_recommended(tmp_path):
+    for seed, loss in enumerate([2.00, 2.02, 1.98]):
+        fake_job(tmp_path / str(seed), "fp32", seed=seed, eval_loss=loss)
+        fake_job(tmp_path / str(3 + seed), "bf16", seed=seed, speed=300.0, diverged=seed == 2)
+    compare(tmp_path, wandb_log=False)
+    rows = {r["label"]: r for r in json.loads((tmp_path / "compare.json").read_text())}
+    bf16 = rows["bf16"]
+    assert bf16["divergence_rate"] == pytest.approx(1 / 3) and bf16["health"] == "diverged"
+    assert bf16["verdict"] == (
+        "unstable in 1 of 3 seeds (diverged: the loss became inf/NaN, seed 2) — not recommended"
+    )
+    assert bf16["eval_loss_mean"] == 2.0 and bf16["seeds"] == 3  # the mean of the good seeds
+    assert rows["fp32"]["verdict"] == "baseline — recommended: no mode is faster here"
+
+
+def test_one_seed_works_as_before_and_says_the_gap_is_untested(tmp_path):
+    fake_job(tmp_path / "0", "fp32", eval_loss=2.0)
+    fake_job(tmp_path / "1", "bf16", eval_loss=2.01, speed=150.0)
+    fake_job(tmp_path / "2", "fp16", eval_loss=2.2, speed=150.0)
+    groups = compare(tmp_path, wandb_log=False)
+    rows = {r["precision"]: r for r in json.loads((tmp_path / "compare.json").read_text())}
+    assert [g.jobs for g in groups] == [[g.jobs[0]] for g in groups]
+    assert rows["bf16"]["verdict"] == (
+        "1.50× faster, loss within 0.5% of fp32 (one seed: untested against seed noise)"
+        " — recommended"
+    )
+    assert rows["fp16"]["verdict"] == (
+        "loss +9.9% vs fp32 (one seed: untested against seed noise) — not recommended"
+    )
+    assert rows["bf16"]["seeds"] == 1 and rows["bf16"]["divergence_rate"] == 0
+    assert rows["bf16"]["gap_in_spreads"] is None and rows["bf16"]["eval_loss_std"] is None
+    assert rows["bf16"]["eval_loss"] == rows["bf16"]["eval_loss_mean"] == 2.01
+    assert rows["bf16"]["job"] == "1" and rows["bf16"]["label"] == "bf16"
+
+
+@pytest.mark.parametrize(
+    "iqr, tail",
+    [
+        (4.0, "1.06× faster within the speed spread, loss within 0.0% of fp32 "),
+        (1.0, "1.06× faster, loss within 0.0% of fp32 "),
+        (None, "1.06× faster, loss within 0.0% of fp32 "),  # unmeasured: MIN_SPEEDUP decides
+    ],
+)
+def test_a_speedup_inside_the_speed_spread_is_no_measurable_difference(tmp_path, iqr, tail):
+    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=iqr)
+    fake_job(tmp_path / "1", "bf16", speed=106.0, iqr=iqr)
+    fp32, bf16 = compare(tmp_path, wandb_log=False)
+    assert bf16.verdict.startswith(tail)
+    inside = iqr is not None and 6.0 <= 2 * iqr  # |106 - 100| within the two IQRs added
+    assert bf16.verdict.endswith("— no measurable difference" if inside else "— recommended")
+    assert fp32.verdict == "baseline" + (" — recommended: no mode is faster here" if inside else "")
+
+
+def test_each_job_reports_the_spread_of_its_speed_over_the_steady_window(monkeypatch):
+    """Meter.speed: median and interquartile range over the steps after the warm-up, each step
+    timed by its logging interval; no spread from a single interval."""
+    now = [0.0]
+    monkeypatch.setattr(telemetry, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    cfg = OmegaConf.create({"benchmark": {"warmup_steps": 2}, "max_steps": 8})
+    meter = telemetry.Meter(cfg, torch.device("cpu"), 1, [], num_tokens=lambda batch: 0)
+    meter.start(0)
+    zero = torch.tensor(0.0)
+    result = SimpleNamespace(grad_norm=zero, loss_scale=zero, skipped=zero)
+    step = 0
+    for step_time in (1.0, 0.1, 0.2, 0.4):  # the warm-up, then three steady intervals
+        for _ in range(2):
+            step += 1
+            meter.record(step, {"loss": zero}, result, [{"x": torch.zeros(4)}], 0.0, 1e-3, "fp32")
+        now[0] += 2 * step_time
+        meter.flush(0)
+        meter.lap()
+        if step == 4:
+            assert meter.speed()["samples_per_s_iqr"] is None  # one steady interval
+    speed = meter.speed()
+    times = [0.1, 0.1, 0.2, 0.2, 0.4, 0.4]
+    throughput = [4 / t for t in times]
+    assert speed["speed_intervals"] == 3
+    assert speed["step_time_s"] == pytest.approx(0.2)
+    assert speed["samples_per_s"] == pytest.approx(20)
+    iqr = np.percentile(throughput, 75) - np.percentile(throughput, 25)
+    assert speed["samples_per_s_iqr"] == pytest.approx(iqr)
+    assert speed["step_time_s_iqr"] == pytest.approx(np.subtract(*np.percentile(times, [75, 25])))
