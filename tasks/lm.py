@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from runner.task import Batch, DataModule, Task
-from tasks.text import SEP_ID, check_transformer
+from tasks.text import check_transformer
 
 
 class GPT(Task):
@@ -39,8 +39,9 @@ class GPT(Task):
             embd_pdrop=float(dropout),
             attn_pdrop=float(dropout),
             initializer_range=float(initializer_range),
-            bos_token_id=SEP_ID,  # documents are separated by [SEP] in this vocabulary
-            eos_token_id=SEP_ID,
+            # the token between documents: [SEP] when trained, a pretrained one's sep or eos
+            bos_token_id=data.sep_id,
+            eos_token_id=data.sep_id,
         )
         config._attn_implementation = attn_implementation
         self.model = GPT2LMHeadModel(config)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM
 
 from runner.task import Batch, DataModule, Task
-from tasks.text import IGNORE_INDEX, PAD_ID, check_transformer
+from tasks.text import IGNORE_INDEX, check_transformer
 
 
 class BertMLM(Task):
@@ -44,7 +44,7 @@ class BertMLM(Task):
             max_position_embeddings=max_position_embeddings,
             hidden_dropout_prob=float(dropout),
             attention_probs_dropout_prob=float(dropout),
-            pad_token_id=PAD_ID,
+            pad_token_id=data.pad_id,  # the corpus's tokenizer: trained or pretrained
         )
         config._attn_implementation = attn_implementation
         self.model = BertForMaskedLM(config)

@@ -1,6 +1,6 @@
 """Text classification (sentences or sentence pairs) with a pretrained tokenizer: a Hub dataset
 (`dataset.path`, e.g. glue/sst2) or local csv, json or parquet files, through the same loading
-path as `tasks/text.py`."""
+path as `tasks/text_data.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from runner.errors import UserError
 from runner.task import Batch, DataModule
-from tasks.text import (
+from tasks.text_data import (
     _digest,
     _expand,
     load_pretrained_tokenizer,

@@ -11,7 +11,8 @@ import torch
 
 from runner.errors import UserError
 from runner.run import build
-from tasks.text import IGNORE_INDEX, MASK_ID
+from tasks.text import IGNORE_INDEX
+from tasks.text_data import MASK_ID
 from tests.helpers import TINY_BERT, TINY_BERT_MODEL, make_cfg
 
 

@@ -11,7 +11,8 @@ import torch
 from hydra.utils import instantiate
 
 from runner.errors import UserError, building
-from tasks.text import IGNORE_INDEX, SEP_ID
+from tasks.text import IGNORE_INDEX
+from tasks.text_data import SEP_ID
 from tests.helpers import make_cfg
 
 # Specials last, so their ids differ from the trained WordPiece's fixed PAD/SEP/MASK ids.
