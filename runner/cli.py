@@ -144,11 +144,15 @@ def preflight(args: list[str]) -> None:
         jobs = expand(args)
     except Exception as e:
         raise UserError(f"cannot parse the command line: {_one_line(e)}") from None
-    _check_group_choices(jobs)
+    # A user's own config groups (hydra.searchpath=[pkg://mypkg.conf]) add options that only
+    # composing knows of: Hydra's own message names the missing option there.
+    searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
+    if not searchpath:
+        _check_group_choices(jobs)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for job in jobs:
             try:
-                cfg = compose("config", overrides=job)
+                cfg = compose("config", overrides=job + searchpath)
             except Exception as e:
                 raise UserError(_one_line(e)) from None
             missing = sorted(OmegaConf.missing_keys(cfg))
