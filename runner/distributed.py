@@ -150,7 +150,8 @@ def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.d
     """FSDP2 with the numerics of DDP under autocast. The task's shard units (its big blocks)
     gather their parameters in the mode's low precision (`low`, fixed at wrap time: a staged run
     gathers fp32 and autocasts), as autocast would cast them for their matmuls; inside them,
-    norm layers, embeddings and fp32 islands are sharded apart first, in fp32. The root unit
+    norm layers, embeddings and fp32 islands are sharded apart first, in fp32 (and so is a
+    unit that is itself one). The root unit
     (embeddings, heads, tied weights, islands outside the blocks) gathers fp32 and lets autocast
     cast per op. A shard unit inside an island belongs to the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -162,17 +163,20 @@ def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.d
     )
     in_islands = {id(m) for i in task.modules() if is_island(i) for m in list(i.modules())[1:]}
     units = [u for u in task.shard_units() if id(u) not in in_islands]
-    inside = {id(m) for u in units for m in list(u.modules())[1:]}
+    covered = {id(m) for u in units for m in u.modules()}
+    apart = set()
     if low is not None:
         for module in reversed(list(task.modules())):  # children before their parents
             if (
-                id(module) in inside
+                id(module) in covered
                 and id(module) not in in_islands
                 and (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
             ):
                 fully_shard(module, mp_policy=fp32)
+                apart.add(id(module))
     for unit in units:
-        fully_shard(unit, mp_policy=low_policy)
+        if id(unit) not in apart:
+            fully_shard(unit, mp_policy=low_policy)
     fully_shard(task, mp_policy=fp32)
 
 

@@ -1,9 +1,10 @@
 """The pairwise feature matrix: every pair of {precision} × {compile} × {fp32 island} ×
-{accumulation} × {single process, DDP, FSDP} runs together in at least one tiny run, and each run
-checks what its options promise: graphs compiled when compile is on, the island in fp32 (its
-module refuses to run otherwise), a finite loss with no skipped step, the loss scale where fp16
-scales (carried across a staged run's bf16 stage), and fp32 runs that match the single-process
-reference step for step (the same global batch of 16 in every run)."""
+{accumulation} × {single process, DDP, FSDP} × {gradient checkpointing} runs together in at least
+one tiny run of a user's net (`model=module`), and each run checks what its options promise:
+graphs compiled when compile is on, the island in fp32 (its module refuses to run otherwise, in
+the forward and in a checkpointed block's recomputation), a finite loss with no skipped step, the
+loss scale where fp16 scales (carried across a staged run's bf16 stage), and fp32 runs that match
+the single-process reference step for step (the same global batch of 16 in every run)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import torch
 from torch import nn
 
 from runner.run import run
-from tasks.classification import MLPClassifier
-from tests.helpers import TINY_MLP, make_cfg, read_metrics
+from tests.helpers import make_cfg, read_metrics
 from tests.test_distributed import WORLD, run_ranks
 
 GLOBAL_BATCH = 16
@@ -30,23 +30,23 @@ STAGES = (
     "{mode:bf16,until_step:4},{mode:fp16}]"
 )
 
-# (precision, strategy, compile, island, accumulate): all pairs of values covered in 14 runs
-# (fp16_master with FSDP is refused: FSDP's fp32 shards are already the master weights).
+# (precision, strategy, compile, island, accumulate, checkpointing): all pairs of values covered
+# in 14 runs (fp16_master with FSDP is refused: FSDP's fp32 shards are already the master weights).
 MATRIX = [
-    ("fp32", "single", False, False, 1),
-    ("fp32", "ddp", True, True, 1),
-    ("fp32", "fsdp", False, True, 2),
-    ("bf16", "single", True, True, 2),
-    ("bf16", "ddp", False, False, 2),
-    ("bf16", "fsdp", True, False, 1),
-    ("fp16", "single", False, True, 1),
-    ("fp16", "ddp", True, False, 2),
-    ("fp16", "fsdp", True, True, 2),
-    ("staged", "single", True, False, 2),
-    ("staged", "ddp", False, True, 2),
-    ("staged", "fsdp", False, False, 1),
-    ("fp16_master", "single", True, True, 1),
-    ("fp16_master", "ddp", False, False, 2),
+    ("fp32", "single", False, False, 1, False),
+    ("fp32", "ddp", True, True, 1, True),
+    ("fp32", "fsdp", False, True, 2, True),
+    ("bf16", "single", True, True, 2, False),
+    ("bf16", "ddp", False, False, 2, True),
+    ("bf16", "fsdp", True, False, 1, False),
+    ("fp16", "single", False, True, 1, True),
+    ("fp16", "ddp", True, False, 2, False),
+    ("fp16", "fsdp", True, True, 2, True),
+    ("staged", "single", True, False, 2, True),
+    ("staged", "ddp", False, True, 2, False),
+    ("staged", "fsdp", False, False, 1, True),
+    ("fp16_master", "single", True, True, 1, False),
+    ("fp16_master", "ddp", False, False, 2, True),
 ]
 
 
@@ -60,28 +60,40 @@ class Fp32Island(nn.Linear):
             or x.dtype != torch.float32
             or self.weight.dtype != torch.float32
         ):
-            raise AssertionError("net.0 ran outside its fp32 island")
+            raise AssertionError(
+                f"net.blocks.0 ran outside its fp32 island: autocast "
+                f"{torch.is_autocast_enabled(x.device.type)}, input {x.dtype}, "
+                f"weight {self.weight.dtype}"
+            )
         return super().forward(x)
 
 
-class IslandMLP(MLPClassifier):
-    """The MLP whose first layer checks that it runs as an fp32 island. Under FSDP its layers are
-    one low-precision shard unit, so the island inside must be sharded apart in fp32."""
+class MatrixNet(nn.Module):
+    """A user's MLP for the blobs data: blocks of Linear + GELU and a head. With `island`, its
+    first layer checks that it runs as an fp32 island (under FSDP the island, one of the blocks,
+    must be sharded apart in fp32)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        first = self.net[0]
-        self.net[0] = Fp32Island(first.in_features, first.out_features)
-        self.net[0].load_state_dict(first.state_dict())
+    def __init__(self, island: bool = False, width: int = 64, features: int = 32, classes: int = 8):
+        super().__init__()
+        first = (Fp32Island if island else nn.Linear)(features, width)
+        self.blocks = nn.Sequential(first, nn.GELU(), nn.Linear(width, width), nn.GELU())
+        self.head = nn.Linear(width, classes)
 
-    def shard_units(self) -> list[nn.Module]:
-        return [self.net]
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(features))
 
 
-def _overrides(precision, strategy, compiled, island, accumulate) -> list[str]:
+def _overrides(precision, strategy, compiled, island, accumulate, checkpointing) -> list[str]:
     world = 1 if strategy == "single" else WORLD
     out = [
-        *TINY_MLP,
+        "model=module",
+        "model.net._target_=tests.test_matrix.MatrixNet",
+        f"+model.net.island={str(island).lower()}",
+        f"model.gradient_checkpointing={str(checkpointing).lower()}",
+        "dataset=blobs",
+        "dataset.num_samples=1024",
+        "trainer.progress_bar=false",
+        "logger=none",
         f"precision={precision}",
         f"trainer.compile={str(compiled).lower()}",
         f"trainer.accumulate_grad_batches={accumulate}",
@@ -89,7 +101,6 @@ def _overrides(precision, strategy, compiled, island, accumulate) -> list[str]:
         f"trainer.max_steps={STEPS}",
         "trainer.log_every_n_steps=1",
         "trainer.val_check_interval=0",
-        "model.dropout=0",
         "optim.scheduler.decay=constant",
         "optim.optimizer.eps=1e-4",  # Adam keeps rounding noise a rounding error
         f"precision.grad_scaler.init_scale={INIT_SCALE}",
@@ -100,15 +111,16 @@ def _overrides(precision, strategy, compiled, island, accumulate) -> list[str]:
     if precision == "staged":
         out.append(STAGES)
     if island:
-        out += ["model._target_=tests.test_matrix.IslandMLP", "precision.fp32_modules=[net.0]"]
+        out.append("precision.fp32_modules=[net.blocks.0]")
     return out
 
 
 def _name(row) -> str:
-    precision, strategy, compiled, island, accumulate = row
+    precision, strategy, compiled, island, accumulate, checkpointing = row
     return (
         f"{precision}-{strategy}-{'compiled' if compiled else 'eager'}-"
         f"{'island' if island else 'noisland'}-acc{accumulate}"
+        f"{'-checkpointed' if checkpointing else ''}"
     )
 
 
@@ -159,7 +171,7 @@ def matrix_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("row", MATRIX, ids=[_name(r) for r in MATRIX])
 def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
-    precision, strategy, compiled, island, accumulate = row
+    precision, strategy, compiled, island, accumulate, _ = row
     root, summaries = matrix_runs
     summary = summaries[row]
     if isinstance(summary, Exception):
@@ -174,7 +186,7 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
         assert summary["compiled_graphs"] >= 1, "compile on, nothing compiled"
     else:
         assert summary["compiled_graphs"] == 0
-    if island and precision != "fp32":  # the audited first step ran net.0's matmuls in fp32
+    if island and precision != "fp32":  # the audited first step ran the island's matmuls in fp32
         assert summary["fp32_ops"], summary
     expected = _expected_scales(precision)
     if expected is not None:
@@ -189,9 +201,9 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
 
 
 def test_the_matrix_covers_every_pair():
-    values = [sorted({r[i] for r in MATRIX}, key=str) for i in range(5)]
-    for i in range(5):
-        for j in range(i + 1, 5):
+    values = [sorted({r[i] for r in MATRIX}, key=str) for i in range(6)]
+    for i in range(6):
+        for j in range(i + 1, 6):
             seen = {(r[i], r[j]) for r in MATRIX}
             missing = [
                 (a, b)
