@@ -6,13 +6,14 @@ from __future__ import annotations
 import csv
 import random
 
+import datasets
 import pytest
 import torch
 import transformers
 
 from runner.errors import UserError
-from runner.run import run
-from tests.helpers import load_last, read_metrics
+from runner.run import build, run
+from tests.helpers import load_last, make_cfg, read_metrics
 from tests.test_own_model import QUIET, _saved_bytes_and_grads
 
 POSITIVE = ["good", "great", "fine", "nice"]
@@ -65,8 +66,6 @@ def reviews(tmp_path_factory):
 
 
 def hf(folder, *overrides: str):
-    from tests.helpers import make_cfg
-
     return make_cfg("model=hf", f"model.name_or_path={folder}", *QUIET, *overrides)
 
 
@@ -108,8 +107,6 @@ def test_a_saved_classifier_fine_tunes_past_the_majority_class(tmp_path, bert_di
 def test_hf_gradient_checkpointing_recomputes_in_the_forwards_precision(
     bert_dir, reviews, precision
 ):
-    from runner.run import build
-
     data, plain = build(classify(bert_dir, reviews, "dataset.batch_size=4"))
     _, checkpointed = build(
         classify(bert_dir, reviews, "dataset.batch_size=4", "model.gradient_checkpointing=true")
@@ -150,6 +147,36 @@ def test_a_causal_lm_trains_on_its_own_loss(tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert summary["status"] == "completed" and summary["hf_task"] == "causal_lm"
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def token_table(n: int = 64) -> datasets.Dataset:
+    """Token classification data as a user brings it: ids, mask and one label per token (is the
+    word positive?), -100 on [CLS] and [SEP]."""
+    rng = random.Random(2)
+    words = SPECIAL + POSITIVE + NEGATIVE + NEUTRAL
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        ids = [rng.randrange(len(SPECIAL), len(words)) for _ in range(8)]
+        rows["input_ids"].append([2, *ids, 3])
+        rows["attention_mask"].append([1] * 10)
+        rows["labels"].append([-100, *(int(words[i] in POSITIVE) for i in ids), -100])
+    return datasets.Dataset.from_dict(rows)
+
+
+def test_token_classification_on_a_users_dataset(tmp_path, bert_dir):
+    """Per-token labels: normalised by the labelled tokens, not by the sequences."""
+    cfg = hf(
+        bert_dir,
+        "model.task=token_classification",
+        "dataset=torch",
+        "dataset.train._target_=tests.test_hf.token_table",
+        "dataset.batch_size=8",
+        "trainer.max_steps=3",
+    )
+    data, task = build(cfg)
+    batch = data.collate("train", [(0, 0, i) for i in range(8)])
+    assert task.num_targets(batch) == 8 * 8
+    assert run(cfg, tmp_path)["status"] == "completed"
 
 
 def _save_vision(folder, kind: str) -> None:
