@@ -13,10 +13,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, console, distributed
+from runner import checkpoint, console, distributed, truth
 from runner.config import validate
 from runner.errors import Preempted, UserError, building, first_line
 from runner.flops import emulation_slowdown, utilisation
+from runner.health import fp16_health
+from runner.memory import account
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, compute_mode
 from runner.task import DataModule, Task
@@ -142,6 +144,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         model = distributed.wrap(task, ranks, cfg.trainer.strategy, precision, device)
         groups = precision.optimizer_groups(task.parameter_groups())
         optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
+        truth.watch(optimizers, task, model, precision, summary)  # at the first step: dtypes held
         trainer = Trainer(
             cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks, model
         )
@@ -162,6 +165,17 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         }
         summary |= trainer.fit()
         summary |= precision.memory(task)
+        summary["memory"] = account(
+            task,
+            optimizers.values(),
+            precision.master.masters.values(),
+            trainer.meter.activations.by_dtype,
+            device,
+        )
+        health = fp16_health(trainer.meter.health, trainer.meter.rows, cfg.precision.grad_scaler)
+        if health:
+            summary["fp16_health"] = health
+            console.say(f"fp16 health: {health['recommendation']}")
         summary |= utilisation(summary, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser())
         summary["status"] = "completed"
     except BaseException as e:

@@ -9,12 +9,13 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from runner import console
 from runner.flops import PrecisionAudit
+from runner.memory import SavedActivations
 from runner.task import Batch
 
 
@@ -88,10 +89,14 @@ class Meter:
         world: int,
         rows: list[dict],
         num_tokens: Callable[[Batch], int],
+        params: Iterable[torch.Tensor] = (),
     ):
         self.cfg, self.device, self.world, self.num_tokens = cfg, device, world, num_tokens
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
+        self.activations = SavedActivations(params)  # counted in audited steps
+        self.health: dict | None = None  # fp16's gradient health, from an audited step
+        self._auditing = False
         self._pending: list[dict] = []
         self._interval_ends: list[int] = []  # the last step of each interval this run timed
 
@@ -111,15 +116,26 @@ class Meter:
         self.audit = None
 
     @contextlib.contextmanager
-    def audited(self):
-        """Records the step op by op, where no audit exists yet: which dtype each op ran in.
-        Eagerly: Dynamo skips for good a frame it meets under a dispatch mode."""
+    def audited(self, probe: Callable[[], dict | None] = lambda: None):
+        """Records the step op by op, where no audit exists yet: which dtype each op ran in, and
+        what its forwards save for backward; `probe` measures before it (fp16 health). Eagerly:
+        Dynamo skips for good a frame it meets under a dispatch mode."""
         if self.audit is not None:
             yield
             return
-        with torch.compiler.set_stance("force_eager"), PrecisionAudit() as audit:
-            yield
+        with torch.compiler.set_stance("force_eager"):
+            self.health = probe() or self.health
+            self._auditing = True
+            try:
+                with PrecisionAudit() as audit:
+                    yield
+            finally:
+                self._auditing = False
         self.audit = audit.report()
+
+    def saving(self) -> contextlib.AbstractContextManager:
+        """Around a forward: in an audited step, counts the activations it saves for backward."""
+        return self.activations.counting() if self._auditing else contextlib.nullcontext()
 
     def record(self, step, losses, result, window, data_wait, lr, mode: str) -> int:
         """Buffers a step's values (left on the device); returns its samples over all ranks."""

@@ -6,6 +6,7 @@ checkpoint. Timing lives in `Meter`, checkpoint files in `Checkpointer`, non-fin
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from runner.console import ProgressBar
 from runner.diagnostics import Forensics
 from runner.distributed import Dist
 from runner.errors import Preempted
+from runner.health import gradient_health
 from runner.precision import Precision, StepResult
 from runner.preemption import Preemption
 from runner.task import Batch, DataModule, Task
@@ -60,7 +62,9 @@ class Trainer:
         self.step = self.samples_seen = self.skipped_steps = self.consecutive_skipped = 0
         self.lr = 0.0  # of the last step taken
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
-        self.meter = Meter(cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens)
+        self.meter = Meter(
+            cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, self.params
+        )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
         self.preemption = Preemption(self.dist, device)
@@ -81,7 +85,7 @@ class Trainer:
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
-                with self.meter.audited():
+                with self.meter.audited(functools.partial(self._gradient_health, window)):
                     stepped = self.train_step(window)
                 if stepped is not None:
                     self.step += 1
@@ -160,7 +164,7 @@ class Trainer:
             # DDP averages gradients over ranks once per window: on its last micro-batch.
             syncs = not self.dist.enabled or i == len(window) - 1
             with contextlib.nullcontext() if syncs else distributed.no_grad_sync(self.model):
-                with self.precision.autocast():
+                with self.precision.autocast(), self.meter.saving():
                     losses = self.model(batch)
                     if isinstance(losses, torch.Tensor):
                         losses = {"loss": losses}
@@ -173,6 +177,15 @@ class Trainer:
             totals = {f"loss_{k}": v for k, v in totals.items()}
             totals["loss"] = sum(totals.values())
         return totals
+
+    def _gradient_health(self, window: list[Batch]) -> dict | None:
+        """fp16's, on the window's first micro-batch. Not for fp16_master (its weights are fp16:
+        no fp32 reference) nor under FSDP (sharded weights)."""
+        if self.precision.mode != "fp16" or self.sharded:
+            return None
+        norm = sum(self.task.num_targets(b) for b in window) * self.dist.world
+        batch = self._to_device(window[0])
+        return gradient_health(self.task, batch, norm, self.precision.loss_scale)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers.values():

@@ -1,0 +1,154 @@
+"""fp16 health, measured: how much of the gradient fp16 loses without loss scaling and with the
+scale in force, how close the activations come to fp16's largest value, and what the run's
+loss-scale history says to change."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runner.config import LOSS_SCALED_MODES
+from runner.task import Batch, Task
+
+FP16_MAX = 65504.0
+FP16_TINY = 2.0**-24  # the smallest fp16 subnormal: anything smaller in magnitude becomes 0
+FP16_NORMAL = 2.0**-14  # below this, fp16 keeps fewer significant bits (subnormal)
+# A share of the gradient's elements below fp16's normal range (flushed to zero, or subnormal:
+# fewer significant bits) worth acting on; a recommended scale lifts all but TARGET_LOW above it.
+# (A tiny share always lies there: gradients that are rounding noise, a millionth of the rest.)
+LOW_ALARM = 1e-2
+TARGET_LOW = 1e-2
+COLLAPSE_SKIPPED_SHARE = 0.1  # skipping more steps than this, the scale keeps collapsing
+MEASURED = (
+    "underflow_share_unscaled",
+    "underflow_share_scaled",
+    "subnormal_share",
+    "activation_max",
+    "activation_headroom_log2",
+    "gradient_headroom_log2",
+    "audited_scale",
+)
+
+
+def gradient_health(task: Task, batch: Batch, norm: float, scale: float) -> dict:
+    """One micro-batch in fp32 (autocast off, nothing scaled): its true gradients, as the step
+    normalises them (`norm`: the window's target count), against fp16's range at scale 1 and at
+    `scale`; and the largest value any module outputs, against fp16's largest. The weights'
+    gradients stand for the activations' (the same values, summed). The run goes on as if
+    unmeasured: `.grad` is left alone, and the RNG and buffers (dropout, batch statistics) are
+    put back."""
+    buffers = [b.clone() for b in task.buffers()]
+    device = batch[next(iter(batch))].device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        health = _measure(task, batch, norm, scale)
+    with torch.no_grad():
+        for buffer, saved in zip(task.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    return health
+
+
+def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
+    largest = 0.0
+
+    def watch(_module, _inputs, output) -> None:
+        nonlocal largest
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
+            largest = max(largest, float(output.detach().abs().max()))
+
+    params = [p for p in task.parameters() if p.requires_grad]
+    hooks = [m.register_forward_hook(watch) for m in task.modules()]
+    try:
+        loss = task(batch)
+        if isinstance(loss, dict):  # several optimizers: their losses together
+            loss = sum(loss.values())
+        grads = torch.autograd.grad(loss / norm, params, allow_unused=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    magnitudes = torch.cat([g.detach().abs().flatten().float() for g in grads if g is not None])
+    magnitudes = magnitudes[magnitudes > 0]
+    count = max(magnitudes.numel(), 1)
+
+    def share(condition: torch.Tensor) -> float:
+        return float(condition.sum()) / count
+
+    scaled = magnitudes * scale
+    top = float(magnitudes.max()) if magnitudes.numel() else 0.0
+    return {
+        "gradient_headroom_log2": math.log2(FP16_MAX / top) if top else None,
+        "underflow_share_unscaled": share(magnitudes < FP16_TINY),
+        "underflow_share_scaled": share(scaled < FP16_TINY),
+        "subnormal_share": share((scaled >= FP16_TINY) & (scaled < FP16_NORMAL)),
+        "activation_max": largest,
+        "activation_headroom_log2": math.log2(FP16_MAX / largest) if largest else None,
+        # all but TARGET_LOW of the gradient lies above it: what a scale should lift past normal
+        "gradient_low_quantile": float(
+            magnitudes.kthvalue(max(1, int(TARGET_LOW * magnitudes.numel()))).values
+        )
+        if magnitudes.numel()
+        else None,
+        "audited_scale": scale,
+    }
+
+
+def scale_history(rows: list[dict]) -> dict:
+    """From the rows of the loss-scaled steps: the smallest and last scale, how often it backed
+    off, and how many steps it skipped."""
+    scales = [r["loss_scale"] for r in rows]
+    backoffs = sum(b < a for a, b in zip(scales, scales[1:], strict=False))
+    return {
+        "scale_min": min(scales),
+        "scale_final": scales[-1],
+        "scale_backoffs": backoffs,
+        "skipped_steps": sum(bool(r["skipped"]) for r in rows),
+        "steps": len(rows),
+    }
+
+
+def recommend(health: dict, history: dict, init_scale: float, growth_interval: int) -> str:
+    """One sentence: what to change, or that the settings suit the model."""
+    if history["skipped_steps"] > COLLAPSE_SKIPPED_SHARE * history["steps"] and (
+        history["scale_min"] < 1
+    ):
+        return (
+            f"use bf16: the scale keeps collapsing ({history['skipped_steps']} of "
+            f"{history['steps']} steps skipped, down to {history['scale_min']:g})"
+        )
+    quantile = health.get("gradient_low_quantile")
+    low = (health.get("underflow_share_scaled") or 0) + (health.get("subnormal_share") or 0)
+    if low > LOW_ALARM and quantile:
+        wanted = FP16_NORMAL / quantile
+        headroom = health["gradient_headroom_log2"]  # the largest gradient stays finite, ×2 spare
+        ceiling = 2.0 ** (math.floor(headroom) - 1) if headroom is not None else math.inf
+        new = min(2.0 ** math.ceil(math.log2(wanted)), ceiling)
+        if new > health["audited_scale"]:
+            return (
+                f"raise precision.grad_scaler.init_scale to {new:g}: at "
+                f"{health['audited_scale']:g}, {low:.1%} of the gradient falls below fp16's "
+                f"normal range ({health['underflow_share_scaled']:.1%} to zero)"
+            )
+    if history["scale_backoffs"] > history["steps"] // 4 and history["steps"] >= 8:
+        return (
+            f"raise precision.grad_scaler.growth_interval above {growth_interval}: the scale "
+            f"backed off {history['scale_backoffs']} times in {history['steps']} steps"
+        )
+    if history["scale_final"] < init_scale / 2**4 and history["skipped_steps"]:
+        return (
+            f"lower precision.grad_scaler.init_scale to {history['scale_final']:g}: the first "
+            f"{history['skipped_steps']} steps were skipped while the scale came down to it"
+        )
+    return "ok: the loss scale suits this model"
+
+
+def fp16_health(measured: dict | None, rows: list[dict], grad_scaler) -> dict | None:
+    """`summary.json`'s `fp16_health` for a run with loss-scaled steps: the audited step's
+    measurements (absent for fp16_master and under FSDP), the scale history of those steps, and
+    the recommendation."""
+    scaled = [r for r in rows if r.get("precision") in LOSS_SCALED_MODES]
+    if not scaled:
+        return None
+    measured = measured or {}
+    history = scale_history(scaled)
+    advice = recommend(measured, history, grad_scaler.init_scale, grad_scaler.growth_interval)
+    return {key: measured.get(key) for key in MEASURED} | history | {"recommendation": advice}

@@ -1,0 +1,105 @@
+"""Memory by category and dtype, counted exactly and per job (never the process's peak, which a
+sweep's later jobs inherit): parameters, gradients, optimizer state, fp32 master copies, and the
+activations saved for backward in one step, which is what autocast saves."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+import torch
+
+MB = 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's own shard: what this rank holds."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for t in tensors:
+        t = _local(t)
+        out[_dtype(t)] += t.numel() * t.element_size()
+    return dict(out)
+
+
+class SavedActivations:
+    """Counts what autograd saves for backward during forwards (`counting()`), each storage once
+    per forward, parameters left out (they are counted as parameters; autocast's low-precision
+    copies of them are counted here: they are what autocast adds). The figure is the largest
+    forward's: with accumulation, a micro-batch's saved tensors are freed by its backward before
+    the next forward."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor]):
+        self._parameters = {_local(p).untyped_storage().data_ptr() for p in parameters}
+        self.by_dtype: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        seen: set[int] = set()
+        forward: dict[str, int] = defaultdict(int)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in seen and key not in self._parameters:
+                seen.add(key)
+                forward[_dtype(t)] += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        if sum(forward.values()) > sum(self.by_dtype.values()):
+            self.by_dtype = dict(forward)
+
+
+def _category(by_dtype: dict[str, int]) -> dict:
+    return {
+        "mb": sum(by_dtype.values()) / MB,
+        "by_dtype": {k: v / MB for k, v in sorted(by_dtype.items())},
+    }
+
+
+def account(
+    model: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    masters: Iterable[torch.Tensor],
+    activations: dict[str, int] | None,
+    device: torch.device,
+) -> dict:
+    """`summary.json`'s `memory`: each category's MB and its split by dtype, their `total`, and on
+    CUDA the measured `peak` (allocated) and `reserved`, and what the categories leave
+    `unaccounted` (workspaces, temporaries, fragmentation). A gradient has its parameter's dtype
+    and exists for every trainable parameter (fp16_master: its fp32 masters have one too)."""
+    masters = list(masters)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = [
+        v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
+    categories = {
+        "params": _bytes_by_dtype(model.parameters()),
+        "grads": _bytes_by_dtype(trainable + masters),
+        "optimizer": _bytes_by_dtype(state),
+        "masters": _bytes_by_dtype(masters),
+        "activations": activations or {},
+    }
+    memory = {name: _category(by_dtype) for name, by_dtype in categories.items()}
+    total = sum(c["mb"] for c in memory.values())
+    memory["total"] = total
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / MB
+        memory |= {
+            "peak": peak,
+            "reserved": torch.cuda.max_memory_reserved(device) / MB,
+            "unaccounted": peak - total,
+        }
+    else:
+        memory["peak"] = None  # a CPU process's peak is not one job's: the accounted total is
+    return memory
