@@ -4,7 +4,9 @@ Reads each job folder's summary.json, metrics.jsonl and .hydra/config.yaml; writ
 compare.csv, compare.json and compare.png into the sweep folder, prints the table, and logs it to
 the sweep's W&B group. Also runs by itself at the end of every multirun (`CompareCallback`).
 Each job is checked against the fp32 job of the same overrides and seed (its health, its loss
-curve's gap); jobs that differ only by their seed make one row (runner/seeds.py).
+curve's gap); jobs that differ only by their seed make one row (runner/seeds.py). With
+runner.speed=interleaved (or --speed interleaved), each setting's precisions are timed again in
+this process, side by side (runner/interleave.py), and the verdicts use those figures.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from runner import report
-from runner.config import LOSS_SCALED_MODES
+from runner.config import LOSS_SCALED_MODES, RunnerConfig
 from runner.errors import UserError
 from runner.report import as_float
 from runner.seeds import Group, judge
@@ -113,13 +115,9 @@ def load_sweep(sweep_dir: Path) -> list[Job]:
 
 
 def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
-    steps = [r["step"] for r in rows]
-    losses = [as_float(r.get("loss")) for r in rows]
-    out = {}
-    for i, step in enumerate(steps):
-        chunk = losses[max(0, i - window + 1) : i + 1]
-        out[step] = sum(chunk) / len(chunk)
-    return out
+    return report.smoothed(
+        [r["step"] for r in rows], [as_float(r.get("loss")) for r in rows], window
+    )
 
 
 def _label(job: Job, keys: set[str]) -> str:
@@ -132,10 +130,13 @@ def _label(job: Job, keys: set[str]) -> str:
     return " ".join([job.precision, *values])
 
 
-def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> list[Group]:
+def analyse(
+    jobs: list[Job], tolerance: float = TOLERANCE, timings: dict | None = None
+) -> list[Group]:
     """Fill each job's figures (vs the fp32 job of the same context) and health; return the
     groups of jobs that differ only by their seed, with their figures and verdicts (a loss
-    within `tolerance` of fp32's is the same convergence where seed noise is untested)."""
+    within `tolerance` of fp32's is the same convergence where seed noise is untested; the
+    speed from `timings` where given, see runner/interleave.py)."""
     baselines = {
         j.context: j
         for j in jobs
@@ -157,6 +158,9 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> list[Group]:
         f = job.figures = {
             "samples_per_s": as_float(s.get("samples_per_s")),
             "samples_per_s_iqr": as_float(s.get("samples_per_s_iqr")),
+            "step_time_s": as_float(s.get("step_time_s")),
+            "flops_per_step": as_float(s.get("flops_per_step")),
+            "peak_tflops": as_float(s.get("peak_tflops")),
             "peak_memory_mb": as_float(s.get("peak_memory_mb")),
             "final_loss": final_loss,
             "eval_loss": as_float(s.get("eval_loss")),
@@ -198,13 +202,32 @@ def analyse(jobs: list[Job], tolerance: float = TOLERANCE) -> list[Group]:
             job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
         else:
             f["health"] = "ok"
-    judge(list(groups.values()), tolerance)
+    judge(list(groups.values()), tolerance, timings)
     return list(groups.values())
 
 
-def compare(sweep_dir: Path, tolerance: float = TOLERANCE, wandb_log: bool = True) -> list[Group]:
-    """The comparison of a sweep, written, shown and logged: one group per row."""
-    groups = analyse(load_sweep(sweep_dir), tolerance)
+def _settings(jobs: list[Job]) -> RunnerConfig:
+    """The sweep's runner block (from its first job that has one), defaults for missing keys."""
+    block = next((j.config["runner"] for j in jobs if j.config.get("runner")), {})
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunnerConfig), block))
+
+
+def compare(
+    sweep_dir: Path,
+    tolerance: float = TOLERANCE,
+    wandb_log: bool = True,
+    speed: str | None = None,
+) -> list[Group]:
+    """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
+    or interleaved; None: as the sweep's runner.speed says."""
+    jobs = load_sweep(sweep_dir)
+    settings = _settings(jobs)
+    timings = None
+    if (speed or settings.speed) == "interleaved":
+        from runner.interleave import time_sweep  # torch: only when it times
+
+        timings = time_sweep(jobs, settings)
+    groups = analyse(jobs, tolerance, timings)
     paths = report.write(groups, sweep_dir)
     report.show(groups, sweep_dir, paths)
     if wandb_log:
@@ -223,7 +246,7 @@ class CompareCallback(Callback):
         if not from_env().main:  # under torchrun, rank 0 compares
             return
         try:
-            groups = compare(Path(config.hydra.sweep.dir))
+            groups = compare(Path(config.hydra.sweep.dir), speed=config.runner.speed)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return
@@ -243,9 +266,15 @@ def main(argv: list[str] | None = None) -> None:
         "--tolerance", type=float, default=TOLERANCE, help="loss gap vs fp32 still counted as equal"
     )
     parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
+    parser.add_argument(
+        "--speed",
+        choices=("jobs", "interleaved"),
+        help="each job's own speed, or the precisions timed again side by side in this process "
+        "(default: as the sweep's runner.speed says)",
+    )
     args = parser.parse_args(argv)
     try:
-        compare(args.sweep_dir, args.tolerance, wandb_log=not args.no_wandb)
+        compare(args.sweep_dir, args.tolerance, wandb_log=not args.no_wandb, speed=args.speed)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

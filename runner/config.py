@@ -98,9 +98,10 @@ class LoggerConfig:
 
 @dataclass
 class RunnerConfig:
-    # A multirun runs each job with this many seeds (seed, seed+1, ...): runner/cli.py expands it,
-    # and the comparison weighs a precision's loss gap against the seed-to-seed spread.
-    seeds: int = 1
+    seeds: int = 1  # a multirun runs each job with seeds seed..seed+N-1: loss gaps vs seed noise
+    speed: str = "jobs"  # or interleaved: each group's precisions timed again (interleave.py)
+    speed_rounds: int = 3  # interleaved: rounds alternating the order (median, IQR over them)
+    speed_steps: int = 5  # interleaved: timed steps per precision and round, after 2 untimed
 
 
 @dataclass
@@ -293,5 +294,8 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
-    _require(cfg.runner.seeds >= 1, "runner.seeds", cfg.runner.seeds, "must be ≥ 1")
+    r = cfg.runner
+    for key, least in (("seeds", 1), ("speed_rounds", 2), ("speed_steps", 1)):
+        _require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
+    _require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     _validate_optim(cfg.optim)

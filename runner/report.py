@@ -1,6 +1,7 @@
-"""The comparison's outputs: the table (compare.md, compare.csv, compare.json, and printed), the
-loss plot (compare.png), and the `compare` run in the sweep's W&B group. One row per group of
-seeds (runner/seeds.py): one per job where the sweep has one seed."""
+"""The comparison's outputs: the table and its notes (compare.md, compare.csv, compare.json, and
+printed), the dashboard (compare.png: loss curves, the loss gap to fp32, speed with its spread,
+memory by category), and the `compare` run in the sweep's W&B group. One row per group of seeds
+(runner/seeds.py): one per job where the sweep has one seed."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import TYPE_CHECKING
 
 from runner import console
 from runner.config import LOSS_SCALED_MODES
+from runner.seeds import median, too_small_note
 
 if TYPE_CHECKING:
     from runner.seeds import Group
+
+MEMORY = ("params", "grads", "optimizer", "masters", "activations")  # summary.json's `memory`
 
 
 def as_float(value) -> float:
@@ -63,6 +67,15 @@ def table(groups: list[Group]) -> list[list[str]]:
     ]
 
 
+def smoothed(steps: list[int], values: list[float], window: int) -> dict[int, float]:
+    """Each step's trailing mean over `window` values."""
+    out = {}
+    for i, step in enumerate(steps):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out[step] = sum(chunk) / len(chunk)
+    return out
+
+
 def _curve(group: Group) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps, and the mean, least and greatest loss at each over the group's good seeds."""
     by_step: dict[int, list[float]] = {}
@@ -80,13 +93,8 @@ def _curve(group: Group) -> tuple[list[int], list[float], list[float], list[floa
     )
 
 
-def plot(groups: list[Group], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+def _losses(ax, groups: list[Group]) -> None:
+    """Each group's mean loss curve, a min–max band over its seeds, the fp16 loss scale."""
     scale_ax = None
     for group in groups:
         steps, mean, low, high = _curve(group)
@@ -111,18 +119,94 @@ def plot(groups: list[Group], path: Path) -> None:
                 linewidth=1,
                 label="_nolegend_" if i else f"{group.label} loss scale",
             )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title("loss by precision")
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="loss by precision")
     handles, labels = ax.get_legend_handles_labels()
     if scale_ax is not None:
         scale_ax.set_yscale("log")
         scale_ax.set_ylabel("fp16 loss scale")
         h2, l2 = scale_ax.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, loc="upper right")
+    ax.legend(handles, labels, loc="upper right", fontsize="small")
+
+
+def _gaps(ax, groups: list[Group]) -> None:
+    """Each group's mean loss relative to its fp32 group's, step by step, both smoothed over a
+    tenth of the steps."""
+    bases = {g.setting: g for g in groups if g.precision == "fp32"}
+    for group in groups:
+        base = bases.get(group.setting)
+        if base is None or base is group:
+            continue
+        (steps, mean, _, _), (base_steps, base_mean, _, _) = _curve(group), _curve(base)
+        window = max(1, min(len(steps), len(base_steps)) // 10)
+        ours, theirs = smoothed(steps, mean, window), smoothed(base_steps, base_mean, window)
+        shared = sorted(k for k in ours.keys() & theirs.keys() if theirs[k])
+        gap = [100 * (ours[k] - theirs[k]) / abs(theirs[k]) for k in shared]
+        ax.plot(shared, gap, label=group.label, linewidth=1.2)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(xlabel="optimizer step", ylabel="loss vs fp32 (%)", title="loss gap to fp32 (smoothed)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _speed(ax, groups: list[Group]) -> None:
+    """Each group's samples/s, whiskers its interquartile range; a step too small to tell is
+    hatched."""
+    x = range(len(groups))
+    speed = [g.figures.get("samples_per_s", math.nan) for g in groups]
+    iqr = [g.figures.get("samples_per_s_iqr", math.nan) for g in groups]
+    bars = ax.bar(x, speed, yerr=[v / 2 if _known(v) else 0 for v in iqr], capsize=4)
+    for bar, g in zip(bars, groups, strict=True):
+        if g.figures.get("too_small_to_tell"):
+            bar.set_hatch("//")
+            bar.set_label("step too small to tell")
+    sources = sorted({g.figures.get("speed_source", "jobs") for g in groups})
+    ax.set_xticks(list(x), [g.label for g in groups], rotation=20, fontsize="small")
+    ax.set(ylabel="samples/s", title=f"speed ({', '.join(sources)} timing; whiskers: IQR)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(*[v[:1] for v in ax.get_legend_handles_labels()], fontsize="small")
+
+
+def _memory(ax, groups: list[Group]) -> None:
+    """summary.json's `memory` by category (a typical seed's), else the peak; else a note."""
+
+    def mb(job, key) -> float:
+        value = (job.summary.get("memory") or {}).get(key)
+        return as_float(value["mb"] if isinstance(value, dict) else value)
+
+    x = list(range(len(groups)))
+    if any(j.summary.get("memory") for g in groups for j in g.jobs):
+        bottom = [0.0] * len(groups)
+        for key in MEMORY:
+            heights = [median(mb(j, key) for j in g.counted) for g in groups]
+            heights = [h if math.isfinite(h) else 0.0 for h in heights]  # e.g. no masters
+            ax.bar(x, heights, bottom=bottom, label=key)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        peaks = [median(mb(j, "peak") for j in g.counted) for g in groups]
+        ax.plot(x, peaks, "k_", markersize=20, label="measured peak")
+        ax.legend(fontsize="small")
+    elif any(_known(g.figures.get("peak_memory_mb")) for g in groups):
+        ax.bar(x, [g.figures.get("peak_memory_mb", math.nan) for g in groups], label="peak")
+    else:
+        ax.text(0.5, 0.5, "no memory figures", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks(x, [g.label for g in groups], rotation=20, fontsize="small")
+    ax.set(ylabel="MB", title="memory by category")
+
+
+def plot(groups: list[Group], path: Path) -> None:
+    """compare.png: a 2×2 dashboard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    _losses(axes[0][0], groups)
+    _gaps(axes[0][1], groups)
+    _speed(axes[1][0], groups)
+    _memory(axes[1][1], groups)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -131,8 +215,12 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
     paths = {ext: sweep_dir / f"compare.{ext}" for ext in ("md", "csv", "json", "png")}
     md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    notes = "".join(f"- {n}\n" for n in filter(None, map(too_small_note, groups)))
     paths["md"].write_text(
-        f"# Precision comparison: {sweep_dir}\n\n" + "\n".join(md) + "\n\n![loss](compare.png)\n"
+        f"# Precision comparison: {sweep_dir}\n\n"
+        + "\n".join(md)
+        + (f"\n\nNotes:\n\n{notes}" if notes else "\n")
+        + "\n![dashboard](compare.png)\n"
     )
     with open(paths["csv"], "w", newline="") as f:
         csv.writer(f).writerows(rows)
@@ -178,7 +266,7 @@ def log_to_wandb(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -
         run.log(
             {
                 "comparison": wandb.Table(columns=rows[0], data=rows[1:]),
-                "loss_by_precision": wandb.Image(str(paths["png"])),
+                "dashboard": wandb.Image(str(paths["png"])),
             }
         )
         run.finish()
@@ -197,4 +285,6 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     for r in rows[1:]:
         shown.add_row(*r)
     Console(width=None if sys.stdout.isatty() else 200).print(shown)
+    for note in filter(None, map(too_small_note, groups)):
+        print(f"note: {note}")
     print(f"written: {', '.join(str(p) for p in paths.values())}")

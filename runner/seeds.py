@@ -14,7 +14,14 @@ fewer it is untested. The spread is at least SPREAD_FLOOR of the loss, so that s
 exactly (std 0) give 0 where the means agree and a very large gap where they do not.
 
 A speed is measurably different from fp32's only where the two differ by more than their
-interquartile ranges added; inside that, a mode is never recommended.
+interquartile ranges added; inside that, a mode is never recommended. The speed comes from each
+job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved, from the
+precisions timed again side by side in one process (runner/interleave.py; "interleaved": medians
+and IQR over rounds, the speedup the median of per-round ratios to fp32).
+
+A step too small to show a precision effect is never recommended on its speed either: where its
+audited FLOPs would take under MIN_MATMUL_SHARE of its measured step time at the device's matmul
+peak (its MFU), most of the step is something no precision speeds up.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 UNSTABLE = ("failed", "diverged", "overflow")  # job health that counts toward divergence_rate
 PAIRED = ("speedup", "memory_saving", "max_loss_gap", "final_loss_gap", "health")
+SPEED = ("samples_per_s", "samples_per_s_iqr", "samples_per_s_rounds", "step_time_s")
+# The least share of a step its FLOPs take at the device's matmul peak (flops_per_step over
+# step_time_s, over peak_tflops: the MFU) for a speed to tell anything about precision. Small
+# matmuls reach a tenth of the peak or so; under 5% at the peak, then, the matmuls and
+# convolutions take under half the step even so, and the rest (kernel launches, Python,
+# elementwise ops, the optimizer, data) runs the same in every precision.
+MIN_MATMUL_SHARE = 0.05
 
 
 @dataclass(eq=False)
@@ -71,7 +85,7 @@ def _finite(values) -> list:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def _median(values) -> float:
+def median(values) -> float:
     """A typical seed's figure (a count stays one of the counts); NaN where none is known."""
     values = _finite(values)
     if not values:
@@ -87,20 +101,39 @@ def _mean_std(values) -> tuple[float, float]:
     return mean, statistics.stdev(values) if len(values) > 1 else math.nan
 
 
-def _own_figures(g: Group) -> dict:
+def _own_figures(g: Group, timing: dict | None) -> dict:
+    """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
     jobs = g.counted
-    f = {k: _median(j.figures[k] for j in jobs) for k in jobs[0].figures if k not in PAIRED}
+    f = {k: median(j.figures[k] for j in jobs) for k in jobs[0].figures if k not in PAIRED}
     for key in ("final_loss", "eval_loss"):
         f[key], f[f"{key}_std"] = _mean_std(j.figures[key] for j in jobs)
+    f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
+    if timing is not None:
+        f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
+    share = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
     return f | {
         "eval_loss_mean": f["eval_loss"],
         "seeds": len(g.jobs),
         "divergence_rate": len(g.unstable) / len(g.jobs),
-        "speed_source": "jobs",
         # Against the fp32 job of the same seed: the worst seed's curve gap, a typical final gap.
         "max_loss_gap": max(_finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
-        "final_loss_gap": _median(j.figures.get("final_loss_gap") for j in jobs),
+        "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
+        "matmul_share": share,
+        "too_small_to_tell": share < MIN_MATMUL_SHARE if math.isfinite(share) else None,
     }
+
+
+def too_small_note(g: Group) -> str:
+    """Why its speed tells nothing about its precision ("" where it may)."""
+    f = g.figures
+    if not f["too_small_to_tell"]:
+        return ""
+    return (
+        f"{g.label}: a step too small to tell — its {f['flops_per_step']:.3g} FLOPs would take "
+        f"{f['matmul_share']:.2%} of its {f['step_time_s'] * 1e3:.3g} ms step at the device's "
+        f"matmul peak ({f['peak_tflops']:.3g} TFLOP/s; under {MIN_MATMUL_SHARE:.0%} tells nothing): "
+        "the rest runs the same in every precision. Time a larger model or batch."
+    )
 
 
 def _gap(g: Group, base: Group) -> tuple[float, str]:
@@ -172,41 +205,55 @@ def _loss_words(g: Group) -> str:
 
 
 def _recommend(fit: list[Group], base: Group) -> None:
-    """Verdicts of the groups fit for a recommendation: the fastest measurably faster one wins."""
+    """Verdicts of the groups fit for a recommendation: the fastest measurably faster one whose
+    step is large enough to tell wins."""
     inside = {g: _inside_spread(g, base) for g in fit}
+    small = {g for g in fit if g is not base and g.figures["too_small_to_tell"]}
     fast = [
-        g for g in fit if g is not base and g.figures["speedup"] >= MIN_SPEEDUP and not inside[g]
+        g
+        for g in fit
+        if g is not base
+        and g.figures["speedup"] >= MIN_SPEEDUP
+        and not inside[g]
+        and g not in small
     ]
     best = max(fast, key=lambda g: g.figures["speedup"], default=base)
     for g in fit:
         if g is base:
+            shown = "shown to be faster" if small else "faster"
             g.verdict = "baseline" + (
-                " — recommended: no mode is faster here" if best is base else ""
+                f" — recommended: no mode is {shown} here" if best is base else ""
             )
             continue
-        x = g.figures["speedup"]
-        speed = f"{x:.2f}× {'faster' if x >= 1 else 'the speed'}"
-        if inside[g]:
+        x, f = g.figures["speedup"], g.figures
+        source = "interleaved timing" if f["speed_source"] == "interleaved" else "per-job timing"
+        speed = f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
+        if g in small:
+            tail = f"too small to tell: its FLOPs are {f['matmul_share']:.2%} of the step at peak"
+        elif inside[g]:
             tail, speed = "no measurable difference", f"{speed} within the speed spread"
         else:
             tail = "recommended" if g is best else ("no gain" if x < MIN_SPEEDUP else "ok")
         g.verdict = f"{speed}, {_loss_words(g)} — {tail}"
 
 
-def judge(groups: list[Group], tolerance: float) -> None:
-    """Each group's figures (against the fp32 group of its setting) and verdict."""
+def judge(groups: list[Group], tolerance: float, timings: dict | None = None) -> None:
+    """Each group's figures (against the fp32 group of its setting) and verdict; `timings`, by
+    (precision, setting): the speed of the groups timed interleaved (runner/interleave.py)."""
+    timings = timings or {}
     baselines = {
         g.setting: g
         for g in groups
         if g.precision == "fp32" and any(j.summary.get("status") == "completed" for j in g.jobs)
     }
     for g in groups:
-        g.figures = _own_figures(g)
+        g.figures = _own_figures(g, timings.get((g.precision, g.setting)))
     for g in groups:
         base, f = baselines.get(g.setting), g.figures
         if base is not None:
             b = base.figures
-            f["speedup"] = f["samples_per_s"] / b["samples_per_s"]
+            timing = timings.get((g.precision, g.setting))  # fp32's came in the same rounds
+            f["speedup"] = timing["speedup"] if timing else f["samples_per_s"] / b["samples_per_s"]
             f["memory_saving"] = 1 - f["peak_memory_mb"] / b["peak_memory_mb"]
             f["gap_in_spreads"], f["gap_metric"] = _gap(g, base)
         else:  # the same keys in every row

@@ -10,7 +10,8 @@
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
-medians over rounds; ratios are medians of per-round ratios (pairs timed back to back).
+medians over rounds; ratios are medians of per-round ratios (pairs timed back to back). The
+runner's side is timed by runner/interleave.py, as the comparison's runner.speed=interleaved is.
 
     python scripts/bench.py                       # both parts
     python scripts/bench.py --part table --models bert --compile
@@ -24,11 +25,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -36,13 +35,18 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner
 from runner.config import validate
-from runner.optim import build_optimizers
-from runner.precision import DeviceCaps, Precision
-from runner.run import build, resolve_device, seed_everything
+from runner.interleave import (
+    alternate,
+    median_ratio,
+    prepared,
+    time_configs,
+    trainer_timer,
+    workspace,
+)
+from runner.precision import DeviceCaps
+from runner.run import resolve_device
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import compile_counts
-from runner.tracking import RunLog
-from runner.trainer import Trainer
 
 OVERRIDES = [
     "model=bert",
@@ -65,38 +69,6 @@ def compose_config(overrides: list[str]) -> DictConfig:
         cfg = compose(config_name="config", overrides=OVERRIDES + overrides)
     validate(cfg)
     return cfg
-
-
-def runner_timer(
-    cfg: DictConfig,
-    task: Task,
-    data: DataModule,
-    precision: Precision,
-    log: RunLog,
-    warmup: int,
-    steps: int,
-) -> Timer:
-    """Times the runner through `Trainer.fit`, wired as `runner.run.run` wires it: each call fits
-    `warmup` more steps (the first call's first step is the eager precision audit), then `steps`
-    timed ones in one logging interval, and returns the trainer's own samples/s for them."""
-    groups = precision.optimizer_groups(task.parameter_groups())
-    optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
-    timing = OmegaConf.merge(
-        cfg.trainer,
-        {
-            "log_every_n_steps": steps,
-            "val_check_interval": 0,
-            "progress_bar": False,
-            "benchmark": {"warmup_steps": warmup},
-        },
-    )
-    trainer = Trainer(timing, task, data, precision, optimizers, schedulers, log, precision.device)
-
-    def fit() -> float:
-        timing.max_steps = trainer.step + warmup + steps
-        return trainer.fit()["samples_per_s"]
-
-    return fit
 
 
 def bare_step(task: Task, mode: str, device: torch.device, lr: float) -> Step:
@@ -140,57 +112,43 @@ def samples_per_s(
 def runner_vs_bare(args) -> None:
     modes = [m for m in args.precisions.split(",") if m in MODES]
 
-    cfg = compose_config(args.overrides)
-    device = resolve_device(cfg.trainer.device)
-    seed_everything(cfg.seed)
-    data, task = build(cfg)
-
-    results: dict[tuple[str, str], list[float]] = {}
+    cfg = compose_config([*args.overrides, f"trainer.compile={args.compile}"])
     with ExitStack() as stack:
-        log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        stack.callback(log.finish, {})
-        timers: dict[str, dict[str, Timer]] = {}
+        device, data, task, log = workspace(cfg, stack)
+        timers: dict[tuple[str, str], Timer] = {}
         notes = []
         for mode in modes:
-            precision = Precision(OmegaConf.merge(cfg.precision, {"mode": mode}), device)
-            stack.callback(precision.close)  # closed in reverse order: the first restores last
+            mode_cfg = OmegaConf.merge(cfg, {"precision": {"mode": mode}})
+            runner_task, precision = prepared(mode_cfg, task, device, stack)
             notes.append(precision.describe())
-            runner_task, bare_task = copy.deepcopy(task).to(device), copy.deepcopy(task).to(device)
+            fit = trainer_timer(
+                mode_cfg, runner_task, data, precision, log, args.warmup, args.steps
+            )
+            bare_task = copy.deepcopy(task).to(device)
             if args.compile:
-                runner_task.compile()
                 bare_task.compile()
             bare = bare_step(bare_task, mode, device, cfg.optim.optimizer.lr)
-            timers[mode] = {
-                "runner": runner_timer(
-                    cfg, runner_task, data, precision, log, args.warmup, args.steps
-                ),
-                "bare": lambda bare=bare: samples_per_s(
-                    bare, data, args.warmup, args.steps, device
-                ),
-            }
+            timers[mode, "runner"] = lambda fit=fit: fit()["samples_per_s"]
+            timers[mode, "bare"] = lambda bare=bare: samples_per_s(
+                bare, data, args.warmup, args.steps, device
+            )
         # Each side's compiled graphs, counted from an empty cache: two instances of one model
         # class share compiled code, so the second side would otherwise count none. (A warm-up.)
         graphs: dict[tuple[str, str], int] = {}
-        for mode in modes:
-            for side in ("runner", "bare"):
-                torch._dynamo.reset()
-                before = compile_counts()[0]
-                timers[mode][side]()
-                graphs[mode, side] = compile_counts()[0] - before
-        for r in range(args.rounds):
-            for mode in modes:
-                sides = ("runner", "bare") if r % 2 == 0 else ("bare", "runner")
-                for side in sides:
-                    rate = timers[mode][side]()
-                    results.setdefault((mode, side), []).append(rate)
-                    print(f"round {r + 1}/{args.rounds}  {mode:<5} {side:<7} {rate:7.1f} samples/s")
+        for key, timer in timers.items():
+            torch._dynamo.reset()
+            before = compile_counts()[0]
+            timer()
+            graphs[key] = compile_counts()[0] - before
+
+        def say(r: int, key: tuple[str, str], rate: float) -> None:
+            print(f"round {r + 1}/{args.rounds}  {key[0]:<5} {key[1]:<7} {rate:7.1f} samples/s")
+
+        results = alternate(timers, args.rounds, say)
 
     def median(a: tuple[str, str], b: tuple[str, str] | None = None) -> float:
-        """Median samples/s of `a`, or with `b`, the median of the per-round ratios a/b: pairs
-        timed back to back, so drift between rounds cancels out."""
-        if b is None:
-            return statistics.median(results[a])
-        return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
+        """Median samples/s of `a`, or with `b`, the median of the per-round ratios a/b."""
+        return statistics.median(results[a]) if b is None else median_ratio(results[a], results[b])
 
     params = sum(p.numel() for p in task.parameters())
     shape = ", ".join(f"{k}={v}" for k, v in cfg.model.items() if k != "_target_")
@@ -247,43 +205,15 @@ def precision_table(args) -> None:
             cfg = compose(
                 "config", overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"]
             )
-        device = resolve_device(cfg.trainer.device)
-        seed_everything(cfg.seed)
-        data, task = build(cfg)
-        rates: dict[str, list[float]] = {m: [] for m in modes}
-        memory: dict[str, float] = {}
-        with ExitStack() as stack:
-            log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
-            stack.callback(log.finish, {})
-            timers = {}
-            for mode in modes:
-                precision = Precision(OmegaConf.merge(cfg.precision, {"mode": mode}), device)
-                stack.callback(precision.close)
-                copy_ = copy.deepcopy(task).to(device)
-                if args.compile:
-                    copy_.compile()
-                timers[mode] = runner_timer(
-                    cfg, copy_, data, precision, log, args.warmup, args.steps
-                )
-            for r in range(args.rounds):
-                for mode in modes if r % 2 == 0 else reversed(modes):
-                    # Each mode's matmul setting applies while it runs (tf32 is process-wide).
-                    torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(device)
-                    rates[mode].append(timers[mode]())
-                    if device.type == "cuda":
-                        memory[mode] = torch.cuda.max_memory_allocated(device) / 2**20
-        base = rates.get("fp32")
-        for mode in modes:
-            rate = statistics.median(rates[mode])
-            vs = (
-                statistics.median(a / b for a, b in zip(rates[mode], base, strict=True))
-                if base
-                else float("nan")
-            )
-            mem = f"{memory[mode]:9.0f}" if mode in memory else f"{'—':>9}"
-            print(f"{model:<8} {mode:<10} {rate:>10.1f} {vs:>7.2f}× {mem}")
+        # fp32 first: the speedups are against the first mode.
+        order = sorted(modes, key=lambda m: m != "fp32")
+        configs = {m: OmegaConf.merge(cfg, {"precision": {"mode": m}}) for m in order}
+        figures = time_configs(configs, args.rounds, args.steps, args.warmup)
+        cuda = resolve_device(cfg.trainer.device).type == "cuda"
+        for mode, f in figures.items():
+            vs = f["speedup"] if order[0] == "fp32" else float("nan")
+            mem = f"{f['peak_memory_mb']:9.0f}" if cuda else f"{'—':>9}"
+            print(f"{model:<8} {mode:<10} {f['samples_per_s']:>10.1f} {vs:>7.2f}× {mem}")
     print(
         f"\n{args.steps} timed steps after {args.warmup} warm-up, medians over {args.rounds} rounds; "
         f"compile={args.compile}; {DeviceCaps.probe(torch.device('cpu')).name}, torch {torch.__version__}\n"

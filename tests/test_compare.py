@@ -80,7 +80,7 @@ def test_report_files_are_written(sweep):
     import matplotlib.image
 
     height, width, _ = matplotlib.image.imread(sweep / "compare.png").shape
-    assert width > 400 and height > 300
+    assert width >= 1200 and height >= 800  # the 2×2 dashboard
 
 
 def test_empty_or_mixed_folders_are_one_clear_error(tmp_path):
@@ -105,12 +105,15 @@ def fake_job(
     speed: float = 100.0,
     iqr: float | None = 2.0,
     diverged: bool = False,
+    summary: dict | None = None,
+    runner: dict | None = None,
 ) -> None:
-    """A finished job as the runner leaves it, without training: its loss falls to `eval_loss`."""
+    """A finished job as the runner leaves it, without training: its loss falls to `eval_loss`;
+    `summary`: more of its summary.json, `runner`: its config's runner block."""
     losses = [eval_loss + (20 - step) / 20 for step in range(1, 21)]
     if diverged:
         losses[-5:] = ["nan"] * 5  # as tracking.jsonable writes a non-finite loss
-    summary = {
+    summary = (summary or {}) | {
         "status": "completed",
         "precision": precision,
         "final_loss": losses[-1],
@@ -126,6 +129,7 @@ def fake_job(
     rows = [{"step": i + 1, "loss": loss, "loss_scale": 1.0} for i, loss in enumerate(losses)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {"precision": {"mode": precision}, "seed": seed or 0, "model": {"_target_": "a.MLP"}}
+    config |= {"runner": runner} if runner else {}
     OmegaConf.save(OmegaConf.create(config), folder / ".hydra" / "config.yaml")
     overrides = [f"precision={precision}", *([f"seed={seed}"] if seed is not None else [])]
     OmegaConf.save(OmegaConf.create(overrides), folder / ".hydra" / "overrides.yaml")
@@ -149,8 +153,8 @@ def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
             [2.00, 2.02, 1.98],
             [2.01, 2.03, 1.99],
             0.5,
-            "1.50× faster, eval loss within seed noise of fp32 (+0.5 spreads, 3 seeds) — "
-            "recommended",
+            "1.50× faster (per-job timing), eval loss within seed noise of fp32 (+0.5 spreads, "
+            "3 seeds) — recommended",
         ),
         (
             [2.00, 2.02, 1.98],
@@ -160,7 +164,7 @@ def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
             "not recommended",
         ),
         # Seeds that agree exactly (std 0): no gap where the means agree, a huge one elsewhere.
-        ([2.0] * 3, [2.0] * 3, 0.0, "1.50× faster, eval loss within seed noise"),
+        ([2.0] * 3, [2.0] * 3, 0.0, "1.50× faster (per-job timing), eval loss within seed noise"),
         ([2.0] * 3, [2.001] * 3, 500.0, "worse than fp32 beyond seed noise"),
     ],
 )
@@ -209,8 +213,8 @@ def test_one_seed_works_as_before_and_says_the_gap_is_untested(tmp_path):
     rows = {r["precision"]: r for r in json.loads((tmp_path / "compare.json").read_text())}
     assert [g.jobs for g in groups] == [[g.jobs[0]] for g in groups]
     assert rows["bf16"]["verdict"] == (
-        "1.50× faster, loss within 0.5% of fp32 (one seed: untested against seed noise)"
-        " — recommended"
+        "1.50× faster (per-job timing), loss within 0.5% of fp32 (one seed: untested against "
+        "seed noise) — recommended"
     )
     assert rows["fp16"]["verdict"] == (
         "loss +9.9% vs fp32 (one seed: untested against seed noise) — not recommended"
@@ -224,9 +228,9 @@ def test_one_seed_works_as_before_and_says_the_gap_is_untested(tmp_path):
 @pytest.mark.parametrize(
     "iqr, tail",
     [
-        (4.0, "1.06× faster within the speed spread, loss within 0.0% of fp32 "),
-        (1.0, "1.06× faster, loss within 0.0% of fp32 "),
-        (None, "1.06× faster, loss within 0.0% of fp32 "),  # unmeasured: MIN_SPEEDUP decides
+        (4.0, "1.06× faster (per-job timing) within the speed spread, loss within 0.0% of fp32 "),
+        (1.0, "1.06× faster (per-job timing), loss within 0.0% of fp32 "),
+        (None, "1.06× faster (per-job timing), loss within 0.0% of fp32 "),  # MIN_SPEEDUP decides
     ],
 )
 def test_a_speedup_inside_the_speed_spread_is_no_measurable_difference(tmp_path, iqr, tail):
@@ -268,3 +272,28 @@ def test_each_job_reports_the_spread_of_its_speed_over_the_steady_window(monkeyp
     iqr = np.percentile(throughput, 75) - np.percentile(throughput, 25)
     assert speed["samples_per_s_iqr"] == pytest.approx(iqr)
     assert speed["step_time_s_iqr"] == pytest.approx(np.subtract(*np.percentile(times, [75, 25])))
+
+
+def test_the_dashboard_draws_memory_by_category_and_the_loss_gap(tmp_path):
+    """summary.json's `memory` stacked by category (as MB or {"mb": ...}) under the measured
+    peak, else peak_memory_mb; the loss gap to fp32 in percent, smoothed."""
+    import matplotlib.pyplot as plt
+
+    memory = {"params": {"mb": 1.0}, "grads": 1.0, "optimizer": 2.0, "masters": {"mb": 0.0}}
+    fake_job(tmp_path / "0", "fp32", summary={"memory": memory | {"activations": 4, "peak": 9}})
+    big = {"memory": memory | {"activations": 6, "peak": 9}}
+    fake_job(tmp_path / "1", "bf16", eval_loss=2.2, summary=big)
+    groups = compare(tmp_path, wandb_log=False)
+    plt.switch_backend("Agg")
+    fig, axes = plt.subplots(1, 3)
+    report._memory(axes[0], groups)
+    tops = [p.get_y() + p.get_height() for p in axes[0].patches][-2:]  # the activations on top
+    assert tops == [8.0, 10.0] and list(axes[0].lines[0].get_ydata()) == [9.0, 9.0]
+    for job in (j for g in groups for j in g.jobs):
+        del job.summary["memory"]
+    report._memory(axes[1], groups)
+    assert [p.get_height() for p in axes[1].patches] == [100.0, 100.0]  # peak_memory_mb
+    report._gaps(axes[2], groups)
+    # Smoothed over the last two steps (a tenth of 20): bf16 2.225, fp32 2.025.
+    assert axes[2].lines[0].get_ydata()[-1] == pytest.approx(100 * 0.2 / 2.025)
+    plt.close(fig)

@@ -1,0 +1,178 @@
+"""Speed you can trust: runner.speed=interleaved (the precisions timed again side by side, in one
+process, in alternating rounds; runner/interleave.py) and steps too small to tell."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+
+from runner import interleave
+from runner.compare import compare
+from runner.config import validate
+from runner.errors import UserError
+from tests.helpers import TINY_MLP, cli, make_cfg
+from tests.test_compare import fake_job
+
+
+def interleaved_timing(bf16: float, speedup: float) -> dict:
+    """What `interleave.time_configs` gives for fp32 at 100 samples/s and bf16 at `bf16` (IQR 4
+    over 3 rounds), the speedup the median of per-round ratios."""
+
+    def figures(speed: float, ratio: float) -> dict:
+        rounds = [speed - 4, speed, speed + 4]
+        return {
+            "samples_per_s": speed,
+            "samples_per_s_iqr": 4.0,
+            "samples_per_s_rounds": rounds,
+            "step_time_s": 64 / speed,
+            "speedup": ratio,
+        }
+
+    return {"fp32": figures(100.0, 1.0), "bf16": figures(bf16, speedup)}
+
+
+@pytest.mark.parametrize(
+    "bf16, speedup, verdict",
+    [
+        (
+            103.0,
+            1.04,
+            "1.04× faster (interleaved timing) within the speed spread, loss within 0.0% of fp32 "
+            "(one seed: untested against seed noise) — no measurable difference",
+        ),
+        (
+            130.0,
+            1.31,
+            "1.31× faster (interleaved timing), loss within 0.0% of fp32 (one seed: untested "
+            "against seed noise) — recommended",
+        ),
+    ],
+)
+def test_interleaved_figures_decide_and_the_verdict_says_so(
+    tmp_path, monkeypatch, bf16, speedup, verdict
+):
+    """runner.speed=interleaved (from the sweep's config): the speed of the precisions timed
+    again side by side replaces the jobs' own (1.50× faster, each with an IQR of 1)."""
+    runner = {"speed": "interleaved", "speed_rounds": 2, "speed_steps": 3}
+    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=1.0, runner=runner)
+    fake_job(tmp_path / "1", "bf16", speed=150.0, iqr=1.0, runner=runner)
+    asked = []
+
+    def time_configs(configs, rounds, steps):
+        asked.append(([c.precision.mode for c in configs.values()], rounds, steps))
+        return interleaved_timing(bf16, speedup)
+
+    monkeypatch.setattr(interleave, "time_configs", time_configs)
+    fp32, group = compare(tmp_path, wandb_log=False)
+    assert asked == [(["fp32", "bf16"], 2, 3)]  # once, each built from its job's config
+    row = {r["label"]: r for r in json.loads((tmp_path / "compare.json").read_text())}["bf16"]
+    assert row["speed_source"] == "interleaved" and row["samples_per_s"] == bf16
+    assert row["samples_per_s_iqr"] == 4.0
+    assert row["samples_per_s_rounds"] == [bf16 - 4, bf16, bf16 + 4]
+    assert row["speedup"] == speedup  # the median of per-round ratios, not bf16 / 100
+    assert group.verdict == verdict
+    faster = bf16 > 104  # beyond the two IQRs added
+    assert fp32.verdict == "baseline" + ("" if faster else " — recommended: no mode is faster here")
+    compare(tmp_path, wandb_log=False, speed="jobs")  # --speed jobs: each job's own figures
+    row = json.loads((tmp_path / "compare.json").read_text())[1]
+    assert row["speed_source"] == "jobs" and row["samples_per_s_rounds"] is None
+    assert row["verdict"].startswith("1.50× faster (per-job timing), ")
+
+
+def test_an_interleaved_timing_that_fails_leaves_the_jobs_figures(tmp_path, monkeypatch, capsys):
+    fake_job(tmp_path / "0", "fp32", speed=100.0)
+    fake_job(tmp_path / "1", "bf16", speed=150.0)
+
+    def time_configs(configs, rounds, steps):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(interleave, "time_configs", time_configs)
+    compare(tmp_path, wandb_log=False, speed="interleaved")
+    said = capsys.readouterr().err  # runner.console: stderr
+    assert "interleaved timing failed (out of memory): the jobs' speed is used" in said
+    row = json.loads((tmp_path / "compare.json").read_text())[1]
+    assert row["speed_source"] == "jobs" and row["speedup"] == 1.5
+
+
+@pytest.mark.parametrize("flops, small", [(4e9, True), (6e9, False)])
+def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
+    """A 0.1 s step on a 1 TFLOP/s device: 4e9 FLOPs take 4% of it at the peak, under
+    MIN_MATMUL_SHARE (5%); 6e9 take 6%."""
+    step = {"flops_per_step": flops, "step_time_s": 0.1, "peak_tflops": 1.0}
+    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=1.0, summary=step)
+    fake_job(tmp_path / "1", "bf16", speed=150.0, iqr=1.0, summary=step)
+    fp32, bf16 = compare(tmp_path, wandb_log=False)
+    row = json.loads((tmp_path / "compare.json").read_text())[1]
+    assert row["too_small_to_tell"] is small and row["matmul_share"] == pytest.approx(flops / 1e11)
+    start = "1.50× faster (per-job timing), loss within 0.0% of fp32 (one seed: untested against "
+    notes = (tmp_path / "compare.md").read_text().partition("Notes:")[2]
+    if small:
+        assert bf16.verdict == (
+            f"{start}seed noise) — too small to tell: its FLOPs are 4.00% of the step at peak"
+        )
+        assert fp32.verdict == "baseline — recommended: no mode is shown to be faster here"
+        assert (
+            "- bf16: a step too small to tell — its 4e+09 FLOPs would take 4.00% of its 100 ms"
+            in notes
+        )
+    else:
+        assert bf16.verdict == f"{start}seed noise) — recommended" and not notes
+
+
+def test_rounds_alternate_the_order_of_the_variants():
+    order = []
+    timers = {key: (lambda key=key: order.append(key) or len(order)) for key in "abc"}
+    results = interleave.alternate(timers, 3)
+    assert order == list("abccbaabc")
+    assert results == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
+    assert interleave.median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("runner.speed=fast", "runner.speed='fast' is invalid: jobs or interleaved"),
+        ("runner.speed_rounds=1", "runner.speed_rounds=1 is invalid: must be ≥ 2"),
+        ("runner.speed_steps=0", "runner.speed_steps=0 is invalid: must be ≥ 1"),
+    ],
+)
+def test_bad_speed_settings_are_one_clear_error(override, message):
+    with pytest.raises(UserError) as e:
+        validate(make_cfg(*TINY_MLP, override))
+    assert str(e.value) == message
+
+
+def test_runner_speed_interleaved_times_the_precisions_again_side_by_side(tmp_path):
+    """The tiny MLP in fp32 and bf16, then both timed again in the sweep's process: the verdict
+    uses those figures (two rounds of two steps each), not the jobs' own."""
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "precision=fp32,bf16",
+        *TINY_MLP,
+        "trainer.max_steps=4",
+        "runner.speed=interleaved",
+        "runner.speed_rounds=2",
+        "runner.speed_steps=2",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "timing fp32, bf16 again (the sweep): 2 interleaved rounds of 2 steps" in proc.stderr
+    rows = {r["precision"]: r for r in json.loads((sweep / "compare.json").read_text())}
+    for precision, job in (("fp32", "0"), ("bf16", "1")):
+        row, summary = rows[precision], json.loads((sweep / job / "summary.json").read_text())
+        rounds = row["samples_per_s_rounds"]
+        assert row["speed_source"] == "interleaved" and len(rounds) == 2
+        assert row["samples_per_s"] == pytest.approx(statistics.median(rounds))
+        assert row["samples_per_s"] != summary["samples_per_s"]
+        assert row["samples_per_s_iqr"] == pytest.approx(
+            np.subtract(*np.percentile(rounds, [75, 25]))
+        )
+    bf16, fp32 = rows["bf16"]["samples_per_s_rounds"], rows["fp32"]["samples_per_s_rounds"]
+    ratios = [b / f for b, f in zip(bf16, fp32, strict=True)]  # each round's pair
+    assert rows["bf16"]["speedup"] == pytest.approx(statistics.median(ratios))
+    assert "(interleaved timing)" in rows["bf16"]["verdict"]
