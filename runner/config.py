@@ -18,7 +18,7 @@ from omegaconf import MISSING, DictConfig, ListConfig
 
 from runner.errors import UserError
 
-STAGE_MODES = ("fp32", "tf32", "fp16", "bf16", "auto")  # the modes a `staged` schedule can use
+STAGE_MODES = ("fp32", "tf32", "fp16", "bf16", "fp8", "auto")  # the modes `staged` can use
 PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master")
 LOSS_SCALED_MODES = ("fp16", "fp16_master")  # the modes that need a GradScaler
 SCHEDULE_DECAYS = ("cosine", "linear", "constant")
@@ -39,6 +39,15 @@ class StageConfig:
 
 
 @dataclass
+class Fp8Config:
+    recipe: str = "tensorwise"  # torchao's: tensorwise, rowwise, rowwise_with_gw_hp
+    # Left in bf16: "first"/"last" (the first and last Linear) and fnmatch patterns on names.
+    skip: list[str] = field(default_factory=lambda: ["first", "last"])
+    min_features: int = 0  # a Linear with a dimension below this stays bf16
+    all_gather: bool = False  # FSDP2: gather converted weights in fp8
+
+
+@dataclass
 class PrecisionConfig:
     mode: str = "fp32"
     # mode=staged: the modes in force, in order, by optimizer step (conf/precision/staged.yaml).
@@ -52,6 +61,7 @@ class PrecisionConfig:
     # The dtype gradients are averaged over ranks in (DDP and FSDP): fp32, or bf16 (half the
     # traffic, rounded sums).
     reduce_dtype: str = "fp32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
 
 
 @dataclass

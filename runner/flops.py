@@ -51,7 +51,8 @@ DEVICE_MODELS: dict[str, str] = {model.upper(): model for model in GPU_PEAK_TFLO
 }
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
 _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
-LOW_PRECISION = {torch.float16, torch.bfloat16}
+# fp8 GEMMs show as float8 inputs of `_scaled_mm` on a GPU (on a CPU torchao emulates them in bf16)
+LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
 class PrecisionAudit(TorchDispatchMode):

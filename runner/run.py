@@ -177,6 +177,15 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             summary["fp16_health"] = health
             console.say(f"fp16 health: {health['recommendation']}")
         summary |= utilisation(summary, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser())
+        if precision.fp8:
+            fp8_flops, flops = (
+                summary.pop("fp8_flops_per_step", None),
+                summary.get("flops_per_step"),
+            )
+            summary["fp8"] = precision.fp8.report() | {
+                "fp8_flops_per_step": fp8_flops,
+                "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
+            }
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

@@ -116,10 +116,15 @@ class Meter:
         self.audit = None
 
     @contextlib.contextmanager
-    def audited(self, probe: Callable[[], dict | None] = lambda: None):
+    def audited(
+        self,
+        probe: Callable[[], dict | None] = lambda: None,
+        counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         """Records the step op by op, where no audit exists yet: which dtype each op ran in, and
-        what its forwards save for backward; `probe` measures before it (fp16 health). Eagerly:
-        Dynamo skips for good a frame it meets under a dispatch mode."""
+        what its forwards save for backward; `probe` measures before it (fp16 health), and
+        `counting` adds its own figures (fp8's GEMMs). Eagerly: Dynamo skips for good a frame it
+        meets under a dispatch mode."""
         if self.audit is not None:
             yield
             return
@@ -127,11 +132,11 @@ class Meter:
             self.health = probe() or self.health
             self._auditing = True
             try:
-                with PrecisionAudit() as audit:
+                with PrecisionAudit() as audit, counting() as counted:
                     yield
             finally:
                 self._auditing = False
-        self.audit = audit.report()
+        self.audit = audit.report() | (counted or {})
 
     def saving(self) -> contextlib.AbstractContextManager:
         """Around a forward: in an audited step, counts the activations it saves for backward."""

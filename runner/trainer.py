@@ -85,7 +85,8 @@ class Trainer:
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
-                with self.meter.audited(functools.partial(self._gradient_health, window)):
+                probe = functools.partial(self._gradient_health, window)
+                with self.meter.audited(probe, self.precision.counting):
                     stepped = self.train_step(window)
                 if stepped is not None:
                     self.step += 1

@@ -13,10 +13,11 @@ from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 from runner.precision import islands
 from runner.precision.caps import DeviceCaps, compute_mode
+from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
 from runner.precision.step import StepResult, optimizer_step
 
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 class Precision:
@@ -54,6 +55,8 @@ class Precision:
         scaled = any(mode in LOSS_SCALED_MODES for _, mode, _ in self.stages)
         self._scaler = self._make_scaler() if scaled else None
         self.master = MasterWeights()
+        # fp8's Linears are converted once; they compute in fp8 in fp8 stages only
+        self.fp8 = Float8(cfg.fp8) if any(m == "fp8" for _, m, _ in self.stages) else None
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
         self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
         self._no_scale = torch.ones((), device=device)
@@ -97,6 +100,8 @@ class Precision:
     def _enter(self, mode: str, reason: str) -> None:
         self.mode, self.reason = mode, reason
         self.dtype = AUTOCAST_DTYPES.get(compute_mode(mode))
+        if self.fp8:
+            self.fp8.active = mode == "fp8"
         # Explicit either way: a previous stage or job in this process may have left "high".
         tf32 = mode == "tf32"
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
@@ -120,9 +125,15 @@ class Precision:
         """Install the fp32 islands (in every mode: a later stage may autocast), then, for
         fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32)."""
         islands.keep_fp32(model, fp32_modules, self.device.type)
+        if self.fp8:
+            self.fp8.prepare(model, islands.find(model, fp32_modules))
         if self.mode == "fp16_master":
             kept = {p for m in islands.find(model, fp32_modules) for p in m.parameters()}
             self.master.prepare(model, kept)
+
+    def counting(self) -> contextlib.AbstractContextManager:
+        """In the audited step: what the mode adds to the audit (fp8's GEMM FLOPs)."""
+        return self.fp8.counting() if self.fp8 else contextlib.nullcontext()
 
     def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
         return self.master.optimizer_groups(groups)
@@ -173,6 +184,8 @@ class Precision:
             no_scale=self._no_scale,
         )
         self.master.copy_back()
+        if self.fp8:
+            self.fp8.after_step()
         return result
 
     def _average_over_ranks(self, grads: list[torch.Tensor]) -> None:

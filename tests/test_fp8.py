@@ -1,0 +1,120 @@
+"""precision=fp8 (torchao float8 training, emulated on a CPU): which Linears convert, what the
+audit counts, convergence next to bf16, exact resume, and the modes it combines with."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.errors import UserError
+from runner.run import run
+from tests.helpers import TINY_BERT, make_cfg, read_metrics
+from tests.test_distributed import run_ranks
+
+pytest.importorskip("torchao")
+
+FP8 = ["precision=fp8", "precision.fp8.min_features=16"]
+# A tiny BERT whose Linears have dimensions that are multiples of 16 (fp8 GEMMs need it).
+BERT = [*TINY_BERT, "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
+GPT = [
+    "model=gpt",
+    "model.n_embd=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.dropout=0",
+    *[o for o in BERT if o.startswith(("dataset.", "trainer.", "logger"))],
+]
+LAYER = "model.bert.encoder.layer.0"
+
+
+def test_the_linears_convert_as_configured(tmp_path):
+    fp8 = run(make_cfg(*BERT, *FP8, "precision.fp8.skip=[first,last,'*.output.dense']"), tmp_path)[
+        "fp8"
+    ]
+    assert fp8["recipe"] == "tensorwise"
+    assert sorted(fp8["converted"]) == [
+        f"{LAYER}.attention.self.key",
+        f"{LAYER}.attention.self.value",
+        f"{LAYER}.intermediate.dense",
+        "model.cls.predictions.transform.dense",
+    ]
+    assert fp8["skipped"][f"{LAYER}.attention.self.query"].startswith("the first Linear")
+    assert fp8["skipped"]["model.cls.predictions.decoder"].startswith("the last Linear")
+    for name in (f"{LAYER}.output.dense", f"{LAYER}.attention.output.dense"):
+        assert "matches '*.output.dense'" in fp8["skipped"][name]
+
+
+def test_the_audit_counts_the_fp8_gemms(tmp_path):
+    summary = run(make_cfg(*BERT, *FP8), tmp_path)
+    fp8 = summary["fp8"]
+    assert fp8["fp8_flops_per_step"] > 0
+    assert 0 < fp8["fp8_flop_share"] < summary["low_precision_flop_share"] <= 1
+
+
+def test_small_or_odd_layers_stay_bf16(tmp_path):
+    cfg = make_cfg(
+        *BERT, "precision=fp8", "precision.fp8.min_features=64", "dataset.vocab_size=500"
+    )
+    fp8 = run(cfg, tmp_path)["fp8"]
+    assert "not multiples of 16" in fp8["skipped"]["model.cls.predictions.decoder"]
+    assert "min_features=64" in fp8["skipped"][f"{LAYER}.attention.self.key"]
+
+
+@pytest.mark.parametrize("model", ["bert", "gpt"])
+def test_fp8_trains_to_within_3_percent_of_bf16(tmp_path, model):
+    sizes = BERT if model == "bert" else GPT
+    steps = ["trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
+    cfg = [*sizes, *steps, "optim.optimizer.lr=3e-3"]
+    bf16 = run(make_cfg(*cfg, "precision=bf16"), tmp_path / "bf16")
+    fp8 = run(make_cfg(*cfg, *FP8), tmp_path / "fp8")
+    assert fp8["fp8"]["converted"]
+    assert abs(fp8["eval_loss"] - bf16["eval_loss"]) < 0.03 * bf16["eval_loss"]
+
+
+def test_a_checkpoint_resumes_bit_exact(tmp_path):
+    cfg = [*BERT, *FP8, "optim.optimizer.fused=false"]
+    whole = run(make_cfg(*cfg, "trainer.max_steps=6"), tmp_path / "whole")
+    run(make_cfg(*cfg, "trainer.max_steps=3"), tmp_path / "resumed")
+    resumed = run(
+        make_cfg(*cfg, "trainer.max_steps=6", "trainer.resume=auto"), tmp_path / "resumed"
+    )
+    assert resumed["final_loss"] == whole["final_loss"]
+
+
+def test_a_staged_run_computes_in_fp8_only_in_its_fp8_stage(tmp_path):
+    """fp32 for steps 1–2, then fp8: the first two steps are those of an fp32 run."""
+    stages = "precision.stages=[{mode:fp32,until_step:2},{mode:fp8}]"
+    staged = [*BERT, "precision=staged", stages, "precision.fp8.min_features=16"]
+    run(make_cfg(*staged), tmp_path / "staged")
+    run(make_cfg(*BERT, "precision=fp32"), tmp_path / "fp32")
+    rows, fp32 = read_metrics(tmp_path / "staged"), read_metrics(tmp_path / "fp32")
+    assert [r["loss"] for r in rows[:2]] == [r["loss"] for r in fp32[:2]]
+    assert rows[2]["loss"] != fp32[2]["loss"] and rows[2]["precision"] == "fp8"
+
+
+def test_an_island_stays_high_precision(tmp_path):
+    cfg = make_cfg(*BERT, *FP8, f"precision.fp32_modules=[{LAYER}.intermediate]")
+    summary = run(cfg, tmp_path)
+    assert summary["fp8"]["skipped"][f"{LAYER}.intermediate.dense"] == "inside an fp32 island"
+    assert f"{LAYER}.output.dense" in summary["fp8"]["converted"]
+
+
+def test_compile_compiles_the_fp8_layers(tmp_path):
+    summary = run(make_cfg(*BERT, *FP8, "trainer.compile=true", "trainer.max_steps=2"), tmp_path)
+    assert summary["compiled_graphs"] >= 1 and summary["fp8"]["converted"]
+
+
+def test_ddp_two_ranks_match_one_process_within_fp8_tolerance(tmp_path):
+    """fp8's dynamic scales follow each rank's own activations, so two ranks of b match one
+    process of 2b within fp8's rounding, not bit for bit."""
+    base = [*BERT, *FP8, "model.dropout=0"]
+    one = run(make_cfg(*base, "dataset.batch_size=8"), tmp_path / "one")
+    run_ranks([(base + ["dataset.batch_size=4"], tmp_path / "two")])
+    two = read_metrics(tmp_path / "two")
+    for a, b in zip(read_metrics(tmp_path / "one"), two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+    assert one["status"] == "completed"
+
+
+def test_a_bad_recipe_is_one_clear_line(tmp_path):
+    with pytest.raises(UserError, match="precision.fp8.recipe='e5m2' is invalid: allowed"):
+        run(make_cfg(*BERT, "precision=fp8", "precision.fp8.recipe=e5m2"), tmp_path)
