@@ -1,0 +1,199 @@
+"""Precision truth: the dtypes a run really holds, read off its tensors once, after the first
+optimizer step (the optimizer state exists then), and set against what the config asked for.
+
+One row per distinct combination (module kind, weights, gradients, fp16_master's master copy and
+its gradients, optimizer state, autocast, FSDP's gather dtype, the gradient reduce dtype), with a
+count and an example name. Printed at the start of the run, mismatches as warnings, and written to
+summary.json as `precision_truth: {mode, autocast, rows, mismatches}`."""
+
+from __future__ import annotations
+
+import torch
+from rich.markup import escape
+
+from runner import console, distributed
+from runner.precision.islands import is_island
+from runner.precision.master import NORM_LAYERS
+
+MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
+
+
+def short(dtype: torch.dtype | None) -> str | None:
+    if dtype is None:
+        return None
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def held(t: torch.Tensor | None) -> str | None:
+    """The dtype a tensor holds: an FSDP2 shard's own (its DTensor's local tensor)."""
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    return short((to_local() if to_local else t).dtype)
+
+
+class Truth(dict):
+    """The table, as a plain dict in summary.json; one line in the final summary table."""
+
+    def __repr__(self) -> str:
+        return f"{len(self['rows'])} rows, {len(self['mismatches'])} mismatches (see run start)"
+
+
+def watch(optimizers: dict, task: torch.nn.Module, model, precision, summary: dict) -> None:
+    """After the last optimizer's first applied step (all have stepped then): print the table
+    and put it in `summary`. The hook removes itself."""
+
+    def once(*_) -> None:
+        handle.remove()
+        truth = precision_truth(task, model, precision, list(optimizers.values()))
+        summary["precision_truth"] = truth
+        show(truth)
+
+    handle = list(optimizers.values())[-1].register_step_post_hook(once)
+
+
+def _fsdp_policies(task: torch.nn.Module) -> dict:
+    """id(sharded parameter) → the MixedPrecisionPolicy its FSDP unit gathers and reduces with."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = {}
+    for module in task.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                found |= {id(fp.sharded_param): group.mp_policy for fp in group.fsdp_params}
+    return found
+
+
+def _kind(module: torch.nn.Module) -> str:
+    """The module's class, as written (FSDP2 subclasses it as `FSDP<Name>`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _reduce(model, precision, policy, grad: str, stand_in: torch.Tensor) -> str | None:
+    """The dtype a gradient is averaged over ranks in (None: one process)."""
+    if policy is not None:  # FSDP: reduce_dtype, or the gathered dtype the grads come in
+        return short(policy.reduce_dtype or policy.param_dtype) or grad
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        hooks = [hook for hook, _ in model._comm_hooks]
+        if not hooks:
+            return grad  # DDP's buckets all-reduce in the gradients' dtype
+        return "bf16" if hooks[-1] is distributed._bf16_average else hooks[-1].__name__
+    if precision.master and precision.world > 1:
+        return held(stand_in)  # fp16_master averages the fp32 gradients itself
+    return None
+
+
+def precision_truth(task, model, precision, optimizers) -> Truth:
+    """The table, read off `task`'s parameters, their gradients, masters and optimizer state."""
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    policies = _fsdp_policies(task) if precision.sharded else {}
+    modules = dict(task.named_modules())
+    islands = {p for m in modules.values() if is_island(m) for p in m.parameters()}  # and tied
+    autocast = short(precision.dtype) or "off"
+    rows: dict[str, dict] = {}
+    for name, p in task.named_parameters():  # tied weights once
+        module = modules[name.rpartition(".")[0]]
+        master = precision.master.masters.get(p)
+        stand_in = p if master is None else master
+        weights = held(p)
+        grad = held(p.grad) or weights  # fp16_master moved it into the master's
+        policy = policies.get(id(p))
+        opt_state = {
+            k: held(v)
+            for k, v in state.get(stand_in, {}).items()
+            if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
+        }
+        trains = p.requires_grad
+        row = {
+            "module": _kind(module),
+            "weights": weights,
+            "grads": grad if trains else None,
+            "master": held(master),
+            "master_grads": held(getattr(master, "grad", None)),
+            "optimizer_state": opt_state or None,
+            "autocast": "off (island)" if p in islands else autocast,
+            "gather": (short(policy.param_dtype) or weights) if policy else None,
+            "reduce": _reduce(model, precision, policy, grad, stand_in) if trains else None,
+            "norm": isinstance(module, NORM_LAYERS),
+        }
+        key = repr(sorted(row.items()))
+        rows.setdefault(key, {"count": 0, "example": name, **row})["count"] += 1
+    found = list(rows.values())
+    problems: dict[str, list[dict]] = {}  # one line a problem, however many rows show it
+    for row in found:
+        for problem in _problems(row, precision):
+            problems.setdefault(problem, []).append(row)
+    mismatches = [
+        f"{problem}: {sum(r['count'] for r in hit)} parameter(s) of "
+        f"{', '.join(dict.fromkeys(r['module'] for r in hit))} (e.g. {hit[0]['example']})"
+        for problem, hit in problems.items()
+    ]
+    return Truth(mode=precision.mode, autocast=autocast, rows=found, mismatches=mismatches)
+
+
+def _problems(row: dict, precision) -> list[str]:
+    """What the row holds that `precision` did not ask for."""
+    mode, out = precision.mode, []
+    island = row["autocast"] == "off (island)"
+    if mode == "fp16_master":
+        expected = "fp32" if row["norm"] or island else "fp16"
+        why = f"precision=fp16_master holds {expected} weights " + (
+            "in norm layers and fp32 islands" if expected == "fp32" else "outside norm layers"
+        )
+        if expected == "fp16" and row["grads"] and row["master"] != "fp32":
+            out.append(f"master copy is {row['master']}, not fp32")
+        if row["master"] and row["master_grads"] not in (None, "fp32"):
+            out.append(f"master gradients are {row['master_grads']}, not fp32")
+    else:
+        expected, why = "fp32", f"precision={mode} {MIXED_WEIGHTS}"
+    if row["weights"] != expected:
+        out.append(f"weights are {row['weights']}, but {why}")
+    for key, dtype in (row["optimizer_state"] or {}).items():
+        if dtype != "fp32":
+            out.append(f"optimizer state {key} is {dtype}, not fp32")
+    if row["gather"] and row["gather"] not in {row["weights"], None if island else row["autocast"]}:
+        out.append(f"FSDP gathers them in {row['gather']}, under autocast {row['autocast']}")
+    asked = precision.cfg.reduce_dtype
+    if row["reduce"] and row["reduce"] != asked:
+        out.append(f"gradients are reduced in {row['reduce']}, not {asked} as asked")
+    return out
+
+
+COLUMNS = (
+    ("module", "module"),
+    ("count", "n"),
+    ("weights", "weights"),
+    ("grads", "grads"),
+    ("master", "master"),
+    ("master_grads", "master grads"),
+    ("optimizer_state", "optimizer state"),
+    ("autocast", "autocast"),
+    ("gather", "FSDP gather"),
+    ("reduce", "reduce"),
+    ("example", "e.g."),
+)
+
+
+def _cell(value) -> str:
+    """Optimizer state: one dtype where its tensors agree (summary.json names each one)."""
+    if isinstance(value, dict):
+        dtypes = set(value.values())
+        return dtypes.pop() if len(dtypes) == 1 else ", ".join(f"{k} {v}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def show(truth: Truth) -> None:
+    """Plain aligned columns (those that hold nothing in this run left out), the example last and
+    whole, then one warning a mismatch. Lines are not wrapped: a log keeps them whole."""
+    shown = [(k, h) for k, h in COLUMNS if any(r[k] is not None for r in truth["rows"])]
+    lines = [[h for _, h in shown], *([_cell(r[k]) for k, _ in shown] for r in truth["rows"])]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(shown))]
+    console.say(f"precision truth: {truth['mode']}, after the first optimizer step")
+    for line in lines:
+        text = "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
+        console.console.print(f"  {text.rstrip()}", soft_wrap=True, highlight=False, markup=False)
+    for mismatch in truth["mismatches"]:
+        console.say(f"[yellow]warning:[/] precision truth: {escape(mismatch)}")

@@ -1,0 +1,137 @@
+"""Precision truth: the table of dtypes a run really holds, read off its tensors after the first
+optimizer step, with every departure from what the config asked for named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from runner.run import run
+from tests.helpers import make_cfg
+from tests.test_distributed import run_ranks
+
+HERE = "tests.test_truth"
+
+
+class NormNet(nn.Module):
+    """Two blocks (FSDP's shard units) of a Linear and a LayerNorm, and a head."""
+
+    def __init__(self, width: int = 16, features: int = 8, outputs: int = 3):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Linear(features, width), nn.LayerNorm(width)),
+            nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)),
+        )
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class HalfHeadNet(NormNet):
+    """Someone's net that casts its head to bf16 itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.head.to(torch.bfloat16)
+
+
+def net_run(*overrides: str, net: str = "NormNet") -> list[str]:
+    return [
+        "model=module",
+        f"model.net._target_={HERE}.{net}",
+        "dataset.train._target_=tests.test_own_model.pairs",
+        "dataset.batch_size=16",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=0",
+        "trainer.progress_bar=false",
+        "logger=none",
+        *overrides,
+    ]
+
+
+def truth_of(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())["precision_truth"]
+
+
+def rows_of(truth: dict, module: str, prefix: str = "") -> list[dict]:
+    rows = [r for r in truth["rows"] if r["module"] == module and r["example"].startswith(prefix)]
+    assert rows, (module, prefix)
+    return rows
+
+
+def held(rows: list[dict], key: str) -> set:
+    return {row[key] for row in rows}
+
+
+@pytest.mark.parametrize(("mode", "autocast"), [("fp32", "off"), ("bf16", "bf16")])
+def test_mixed_modes_hold_fp32_weights_grads_and_state(tmp_path, mode, autocast):
+    summary = run(make_cfg(*net_run(f"precision={mode}")), tmp_path)
+    truth = truth_of(tmp_path)
+    assert truth == summary["precision_truth"] and truth["mismatches"] == []
+    assert truth["mode"] == mode and truth["autocast"] == autocast
+    [linear] = rows_of(truth, "Linear")  # one combination for all six
+    assert linear["count"] == 6 and linear["example"] == "net.blocks.0.0.weight"
+    assert (linear["weights"], linear["grads"], linear["autocast"]) == ("fp32", "fp32", autocast)
+    assert linear["optimizer_state"] == {"exp_avg": "fp32", "exp_avg_sq": "fp32"}  # no `step`
+    assert linear["master"] is linear["gather"] is linear["reduce"] is None  # one process
+
+
+def test_fp16_master_holds_fp16_weights_fp32_masters_and_keeps_islands_fp32(tmp_path):
+    run(make_cfg(*net_run("precision=fp16_master", "precision.fp32_modules=[net.head]")), tmp_path)
+    truth = truth_of(tmp_path)
+    assert truth["mismatches"] == [] and truth["autocast"] == "fp16"
+    blocks = rows_of(truth, "Linear", "net.blocks.")
+    assert held(blocks, "weights") == held(blocks, "grads") == {"fp16"}
+    assert held(blocks, "master") == held(blocks, "master_grads") == {"fp32"}
+    norms = rows_of(truth, "LayerNorm")
+    assert held(norms, "weights") == {"fp32"} and held(norms, "master") == {None}
+    head = rows_of(truth, "Linear", "net.head.")
+    assert held(head, "autocast") == {"off (island)"}
+    assert held(head, "weights") == {"fp32"} and held(head, "master") == {None}
+    states = {s for r in truth["rows"] for s in r["optimizer_state"].values()}
+    assert states == {"fp32"}  # the optimizer steps the fp32 masters
+
+
+def test_a_net_that_casts_itself_to_bf16_is_named_in_a_warning(tmp_path, capsys):
+    run(make_cfg(*net_run("precision=bf16", net="HalfHeadNet")), tmp_path)
+    truth = truth_of(tmp_path)
+    head = rows_of(truth, "Linear", "net.head.")
+    assert held(head, "weights") == held(head, "grads") == {"bf16"}
+    weights, *state = truth["mismatches"]
+    assert weights == (
+        "weights are bf16, but precision=bf16 keeps fp32 weights and autocasts per op "
+        "(a .half() or .to(dtype) in the model?): 2 parameter(s) of Linear (e.g. net.head.weight)"
+    )
+    assert [s.split(":")[0] for s in state] == [
+        "optimizer state exp_avg is bf16, not fp32",
+        "optimizer state exp_avg_sq is bf16, not fp32",
+    ]
+    out = capsys.readouterr()
+    assert "warning: precision truth: weights are bf16" in out.err
+    assert "rows, 3 mismatches (see run start)" in out.out  # the final summary table
+
+
+def test_fsdp_gathers_blocks_in_bf16_and_ddp_reduces_as_asked(tmp_path):
+    """FSDP bf16: fp32 shards; the blocks' Linears gathered in bf16, their LayerNorms and the
+    root's head in fp32, as each unit's MixedPrecisionPolicy says. DDP with reduce_dtype=bf16:
+    its comm hook averages in bf16."""
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    run_ranks(
+        [
+            (net_run("precision=bf16", "trainer.strategy=fsdp"), fsdp),
+            (net_run("precision=bf16", "precision.reduce_dtype=bf16"), ddp),
+        ]
+    )
+    truth = truth_of(fsdp)
+    assert truth["mismatches"] == truth_of(ddp)["mismatches"] == []
+    for row in truth["rows"]:
+        assert (row["weights"], row["grads"], row["reduce"]) == ("fp32", "fp32", "fp32")
+        assert set(row["optimizer_state"].values()) == {"fp32"}
+    assert held(rows_of(truth, "Linear", "net.blocks."), "gather") == {"bf16"}
+    assert held(rows_of(truth, "Linear", "net.head."), "gather") == {"fp32"}
+    assert held(rows_of(truth, "LayerNorm"), "gather") == {"fp32"}
+    assert held(truth_of(ddp)["rows"], "reduce") == {"bf16"}
