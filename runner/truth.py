@@ -15,13 +15,12 @@ from runner import console, distributed
 from runner.precision.islands import is_island
 from runner.precision.master import NORM_LAYERS
 
+CASTS = {"fp16_master": "fp16", "bf16_true": "bf16"}
 MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
 
 
 def short(dtype: torch.dtype | None) -> str | None:
-    if dtype is None:
-        return None
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    names = {None: None, torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     return names.get(dtype, str(dtype).removeprefix("torch."))
 
 
@@ -138,22 +137,23 @@ def _problems(row: dict, precision) -> list[str]:
     """What the row holds that `precision` did not ask for."""
     mode, out = precision.mode, []
     island = row["autocast"] == "off (island)"
-    if mode == "fp16_master":
-        expected = "fp32" if row["norm"] or island else "fp16"
-        why = f"precision=fp16_master holds {expected} weights " + (
-            "in norm layers and fp32 islands" if expected == "fp32" else "outside norm layers"
-        )
-        if expected == "fp16" and row["grads"] and row["master"] != "fp32":
-            out.append(f"master copy is {row['master']}, not fp32")
-        if row["master"] and row["master_grads"] not in (None, "fp32"):
-            out.append(f"master gradients are {row['master_grads']}, not fp32")
-    else:
-        expected, why = "fp32", f"precision={mode} {MIXED_WEIGHTS}"
+    expected, why = "fp32", f"precision={mode} {MIXED_WEIGHTS}"
+    if mode in CASTS:  # the modes that cast the weights themselves
+        norms = mode == "fp16_master" or precision.cfg.keep_norms_fp32
+        kept = "norm layers and fp32 islands" if norms else "fp32 islands"
+        expected = "fp32" if island or (norms and row["norm"]) else CASTS[mode]
+        where = "in" if expected == "fp32" else "outside"
+        why = f"precision={mode} holds {expected} weights {where} {kept}"
     if row["weights"] != expected:
         out.append(f"weights are {row['weights']}, but {why}")
+    if mode == "fp16_master" and row["grads"] == "fp16" and row["master"] != "fp32":
+        out.append(f"master copy is {row['master']}, not fp32")
+    if row["master_grads"] not in (None, "fp32"):
+        out.append(f"master gradients are {row['master_grads']}, not fp32")
+    state = expected if mode == "bf16_true" else "fp32"  # bf16_true: in the weights' dtype
     for key, dtype in (row["optimizer_state"] or {}).items():
-        if dtype != "fp32":
-            out.append(f"optimizer state {key} is {dtype}, not fp32")
+        if dtype != state:
+            out.append(f"optimizer state {key} is {dtype}, not {state}")
     if row["gather"] and row["gather"] not in {row["weights"], None if island else row["autocast"]}:
         out.append(f"FSDP gathers them in {row['gather']}, under autocast {row['autocast']}")
     asked = precision.cfg.reduce_dtype
