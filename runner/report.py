@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from runner import console
 from runner.config import LOSS_SCALED_MODES
-from runner.seeds import median, too_small_note
+from runner.seeds import median
 
 if TYPE_CHECKING:
     from runner.seeds import Group
@@ -61,6 +61,11 @@ def _cell(group: Group, key: str, fmt: str) -> str:
     return fmt.format(value) + (f" ± {fmt.format(std)}" if _known(std) else "")
 
 
+def _notes(groups: list[Group]) -> list[str]:
+    """The rows' notes, each once (the modes of one setting share theirs)."""
+    return list(dict.fromkeys(g.figures["note"] for g in groups if g.figures.get("note")))
+
+
 def table(groups: list[Group]) -> list[list[str]]:
     return [[name for name, _, _ in COLUMNS]] + [
         [_cell(g, k, f) for _, k, f in COLUMNS] for g in groups
@@ -94,30 +99,31 @@ def _curve(group: Group) -> tuple[list[int], list[float], list[float], list[floa
 
 
 def _losses(ax, groups: list[Group]) -> None:
-    """Each group's mean loss curve, a min–max band over its seeds, the fp16 loss scale."""
+    """Each group's mean loss curve, a min–max band over its seeds, the fp16 loss scale; a
+    group's colour (C0, C1, ... by its place) is the same in every panel."""
     scale_ax = None
-    for group in groups:
+    for i, group in enumerate(groups):
         steps, mean, low, high = _curve(group)
         seeds, label = len(group.counted), group.label
         if len(group.jobs) > 1:
             of = f" of {len(group.jobs)}" if seeds < len(group.jobs) else ""
             label += f" (mean of {seeds}{of} seeds, band: min–max)"
         if steps:
-            (line,) = ax.plot(steps, mean, label=label, linewidth=1.2)
+            ax.plot(steps, mean, label=label, linewidth=1.2, color=f"C{i}")
             if seeds > 1:
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
         scaled = (
             [j for j in group.counted if j.rows] if group.precision in LOSS_SCALED_MODES else []
         )
-        for i, job in enumerate(scaled):
+        for k, job in enumerate(scaled):
             scale_ax = scale_ax or ax.twinx()
             scale_ax.plot(
                 [r["step"] for r in job.rows],
                 [r["loss_scale"] for r in job.rows],
                 "--",
-                color="grey",
+                color=f"C{i}",
                 linewidth=1,
-                label="_nolegend_" if i else f"{group.label} loss scale",
+                label="_nolegend_" if k else f"{group.label} loss scale",
             )
     ax.set(xlabel="optimizer step", ylabel="training loss", title="loss by precision")
     handles, labels = ax.get_legend_handles_labels()
@@ -133,7 +139,7 @@ def _gaps(ax, groups: list[Group]) -> None:
     """Each group's mean loss relative to its fp32 group's, step by step, both smoothed over a
     tenth of the steps."""
     bases = {g.setting: g for g in groups if g.precision == "fp32"}
-    for group in groups:
+    for i, group in enumerate(groups):
         base = bases.get(group.setting)
         if base is None or base is group:
             continue
@@ -142,7 +148,7 @@ def _gaps(ax, groups: list[Group]) -> None:
         ours, theirs = smoothed(steps, mean, window), smoothed(base_steps, base_mean, window)
         shared = sorted(k for k in ours.keys() & theirs.keys() if theirs[k])
         gap = [100 * (ours[k] - theirs[k]) / abs(theirs[k]) for k in shared]
-        ax.plot(shared, gap, label=group.label, linewidth=1.2)
+        ax.plot(shared, gap, label=group.label, linewidth=1.2, color=f"C{i}")
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set(xlabel="optimizer step", ylabel="loss vs fp32 (%)", title="loss gap to fp32 (smoothed)")
     if ax.get_legend_handles_labels()[0]:
@@ -155,14 +161,16 @@ def _speed(ax, groups: list[Group]) -> None:
     x = range(len(groups))
     speed = [g.figures.get("samples_per_s", math.nan) for g in groups]
     iqr = [g.figures.get("samples_per_s_iqr", math.nan) for g in groups]
-    bars = ax.bar(x, speed, yerr=[v / 2 if _known(v) else 0 for v in iqr], capsize=4)
+    whiskers = [v / 2 if _known(v) else 0 for v in iqr]
+    bars = ax.bar(x, speed, yerr=whiskers, capsize=4, color=[f"C{i}" for i in x])
     for bar, g in zip(bars, groups, strict=True):
         if g.figures.get("too_small_to_tell"):
             bar.set_hatch("//")
             bar.set_label("step too small to tell")
-    sources = sorted({g.figures.get("speed_source", "jobs") for g in groups})
     ax.set_xticks(list(x), [g.label for g in groups], rotation=20, fontsize="small")
-    ax.set(ylabel="samples/s", title=f"speed ({', '.join(sources)} timing; whiskers: IQR)")
+    timing = ", ".join(sorted({g.figures["speed_source"] for g in groups}))
+    timing = timing.replace("jobs", "per-job")
+    ax.set(ylabel="samples/s", title=f"speed ({timing} timing; whiskers: IQR)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(*[v[:1] for v in ax.get_legend_handles_labels()], fontsize="small")
 
@@ -183,7 +191,8 @@ def _memory(ax, groups: list[Group]) -> None:
             ax.bar(x, heights, bottom=bottom, label=key)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         peaks = [median(mb(j, "peak") for j in g.counted) for g in groups]
-        ax.plot(x, peaks, "k_", markersize=20, label="measured peak")
+        if any(math.isfinite(p) for p in peaks):  # CUDA's; a CPU process's peak is not the job's
+            ax.plot(x, peaks, "k_", markersize=20, label="measured peak")
         ax.legend(fontsize="small")
     elif any(_known(g.figures.get("peak_memory_mb")) for g in groups):
         ax.bar(x, [g.figures.get("peak_memory_mb", math.nan) for g in groups], label="peak")
@@ -215,7 +224,7 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
     paths = {ext: sweep_dir / f"compare.{ext}" for ext in ("md", "csv", "json", "png")}
     md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    notes = "".join(f"- {n}\n" for n in filter(None, map(too_small_note, groups)))
+    notes = "".join(f"- {note}\n" for note in _notes(groups))
     paths["md"].write_text(
         f"# Precision comparison: {sweep_dir}\n\n"
         + "\n".join(md)
@@ -285,6 +294,6 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     for r in rows[1:]:
         shown.add_row(*r)
     Console(width=None if sys.stdout.isatty() else 200).print(shown)
-    for note in filter(None, map(too_small_note, groups)):
+    for note in _notes(groups):
         print(f"note: {note}")
     print(f"written: {', '.join(str(p) for p in paths.values())}")

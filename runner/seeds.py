@@ -19,9 +19,11 @@ job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved
 precisions timed again side by side in one process (runner/interleave.py; "interleaved": medians
 and IQR over rounds, the speedup the median of per-round ratios to fp32).
 
-A step too small to show a precision effect is never recommended on its speed either: where its
-audited FLOPs would take under MIN_MATMUL_SHARE of its measured step time at the device's matmul
-peak (its MFU), most of the step is something no precision speeds up.
+A step too small to show a precision effect is never recommended on its speed either. A
+precision speeds up the matmuls and convolutions only, so the share of fp32's step they take
+bounds what any mode can gain (Amdahl); where fp32's audited FLOPs would take under
+MIN_MATMUL_SHARE of its measured step time at the device's fp32 matmul peak (its MFU), most of
+the step is something no precision speeds up, and every mode of that setting is too small to tell.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 UNSTABLE = ("failed", "diverged", "overflow")  # job health that counts toward divergence_rate
 PAIRED = ("speedup", "memory_saving", "max_loss_gap", "final_loss_gap", "health")
 SPEED = ("samples_per_s", "samples_per_s_iqr", "samples_per_s_rounds", "step_time_s")
-# The least share of a step its FLOPs take at the device's matmul peak (flops_per_step over
-# step_time_s, over peak_tflops: the MFU) for a speed to tell anything about precision. Small
+# The least share of fp32's step its FLOPs take at the device's fp32 matmul peak (flops_per_step
+# over step_time_s, over peak_tflops: its MFU) for a speed to tell anything about precision. Small
 # matmuls reach a tenth of the peak or so; under 5% at the peak, then, the matmuls and
 # convolutions take under half the step even so, and the rest (kernel launches, Python,
 # elementwise ops, the optimizer, data) runs the same in every precision.
@@ -110,7 +112,8 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
-    share = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
+        # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation).
+        f["mfu"] = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
     return f | {
         "eval_loss_mean": f["eval_loss"],
         "seeds": len(g.jobs),
@@ -118,21 +121,24 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
         # Against the fp32 job of the same seed: the worst seed's curve gap, a typical final gap.
         "max_loss_gap": max(_finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
         "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
-        "matmul_share": share,
-        "too_small_to_tell": share < MIN_MATMUL_SHARE if math.isfinite(share) else None,
     }
 
 
-def too_small_note(g: Group) -> str:
-    """Why its speed tells nothing about its precision ("" where it may)."""
-    f = g.figures
-    if not f["too_small_to_tell"]:
-        return ""
-    return (
-        f"{g.label}: a step too small to tell — its {f['flops_per_step']:.3g} FLOPs would take "
-        f"{f['matmul_share']:.2%} of its {f['step_time_s'] * 1e3:.3g} ms step at the device's "
-        f"matmul peak ({f['peak_tflops']:.3g} TFLOP/s; under {MIN_MATMUL_SHARE:.0%} tells nothing): "
-        "the rest runs the same in every precision. Time a larger model or batch."
+def _too_small(base: Group) -> tuple[bool | None, str | None]:
+    """(too_small_to_tell, the note) for the modes of fp32 group `base`'s setting; None where
+    its FLOPs, step time or peak are unknown."""
+    b = base.figures
+    if not math.isfinite(b["mfu"]):
+        return None, None
+    if b["mfu"] >= MIN_MATMUL_SHARE:
+        return False, None
+    return True, (
+        f"{base.label}: a step too small to tell the precisions apart by speed — its "
+        f"{b['flops_per_step']:.3g} FLOPs would take {b['mfu']:.2%} of its "
+        f"{b['step_time_s'] * 1e3:.3g} ms step at the device's fp32 matmul peak "
+        f"({b['peak_tflops']:.3g} TFLOP/s), and a precision speeds up only that part (under "
+        f"{MIN_MATMUL_SHARE:.0%}, the rest dominates: launches, elementwise ops, the optimizer, "
+        "data); time a larger model or batch"
     )
 
 
@@ -229,7 +235,8 @@ def _recommend(fit: list[Group], base: Group) -> None:
         source = "interleaved timing" if f["speed_source"] == "interleaved" else "per-job timing"
         speed = f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
         if g in small:
-            tail = f"too small to tell: its FLOPs are {f['matmul_share']:.2%} of the step at peak"
+            share = base.figures["mfu"]
+            tail = f"too small to tell: fp32's FLOPs are {share:.2%} of its step at peak"
         elif inside[g]:
             tail, speed = "no measurable difference", f"{speed} within the speed spread"
         else:
@@ -250,6 +257,7 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
         g.figures = _own_figures(g, timings.get((g.precision, g.setting)))
     for g in groups:
         base, f = baselines.get(g.setting), g.figures
+        f["too_small_to_tell"], f["note"] = _too_small(base) if base else (None, None)
         if base is not None:
             b = base.figures
             timing = timings.get((g.precision, g.setting))  # fp32's came in the same rounds

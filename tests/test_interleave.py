@@ -99,27 +99,30 @@ def test_an_interleaved_timing_that_fails_leaves_the_jobs_figures(tmp_path, monk
 
 @pytest.mark.parametrize("flops, small", [(4e9, True), (6e9, False)])
 def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
-    """A 0.1 s step on a 1 TFLOP/s device: 4e9 FLOPs take 4% of it at the peak, under
-    MIN_MATMUL_SHARE (5%); 6e9 take 6%."""
-    step = {"flops_per_step": flops, "step_time_s": 0.1, "peak_tflops": 1.0}
-    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=1.0, summary=step)
-    fake_job(tmp_path / "1", "bf16", speed=150.0, iqr=1.0, summary=step)
-    fp32, bf16 = compare(tmp_path, wandb_log=False)
-    row = json.loads((tmp_path / "compare.json").read_text())[1]
-    assert row["too_small_to_tell"] is small and row["matmul_share"] == pytest.approx(flops / 1e11)
+    """fp32's step bounds what a precision can gain: its FLOPs at 1 TFLOP/s take 4% of its 0.1 s
+    (under MIN_MATMUL_SHARE, 5%) or 6%. bf16's own share (at a 100× higher peak) does not decide."""
+    fp32 = {"flops_per_step": flops, "step_time_s": 0.1, "peak_tflops": 1.0, "mfu": flops / 1e11}
+    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=1.0, summary=fp32)
+    bf16 = fp32 | {"step_time_s": 0.1 / 1.5, "peak_tflops": 100.0, "mfu": flops * 1.5 / 1e13}
+    fake_job(tmp_path / "1", "bf16", speed=150.0, iqr=1.0, summary=bf16)
+    base, group = compare(tmp_path, wandb_log=False)
+    rows = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["too_small_to_tell"] for r in rows] == [small, small]
+    assert rows[1]["mfu"] == pytest.approx(flops * 1.5 / 1e13)  # its own, under 5%: no matter
     start = "1.50× faster (per-job timing), loss within 0.0% of fp32 (one seed: untested against "
     notes = (tmp_path / "compare.md").read_text().partition("Notes:")[2]
     if small:
-        assert bf16.verdict == (
-            f"{start}seed noise) — too small to tell: its FLOPs are 4.00% of the step at peak"
-        )
-        assert fp32.verdict == "baseline — recommended: no mode is shown to be faster here"
+        tail = "too small to tell: fp32's FLOPs are 4.00% of its step at peak"
+        assert group.verdict == f"{start}seed noise) — {tail}"
+        assert base.verdict == "baseline — recommended: no mode is shown to be faster here"
+        assert notes.count("\n- ") == 1 and rows[0]["note"] == rows[1]["note"]
+        note = "- fp32: a step too small to tell the precisions apart by speed — its 4e+09 FLOPs "
         assert (
-            "- bf16: a step too small to tell — its 4e+09 FLOPs would take 4.00% of its 100 ms"
-            in notes
+            note + "would take 4.00% of its 100 ms step at the device's fp32 matmul peak" in notes
         )
     else:
-        assert bf16.verdict == f"{start}seed noise) — recommended" and not notes
+        assert group.verdict == f"{start}seed noise) — recommended" and not notes
+        assert rows[1]["note"] is None
 
 
 def test_rounds_alternate_the_order_of_the_variants():
@@ -169,6 +172,8 @@ def test_runner_speed_interleaved_times_the_precisions_again_side_by_side(tmp_pa
         assert row["speed_source"] == "interleaved" and len(rounds) == 2
         assert row["samples_per_s"] == pytest.approx(statistics.median(rounds))
         assert row["samples_per_s"] != summary["samples_per_s"]
+        at_peak = summary["flops_per_step"] / (summary["peak_tflops"] * 1e12)
+        assert row["mfu"] == pytest.approx(at_peak / row["step_time_s"])  # by the new step time
         assert row["samples_per_s_iqr"] == pytest.approx(
             np.subtract(*np.percentile(rounds, [75, 25]))
         )
