@@ -81,7 +81,8 @@ def _reduce(model, precision, policy, grad: str, stand_in: torch.Tensor) -> str 
             return grad  # DDP's buckets all-reduce in the gradients' dtype
         return "bf16" if hooks[-1] is distributed._bf16_average else hooks[-1].__name__
     if precision.master and precision.world > 1:
-        return held(stand_in)  # fp16_master averages the fp32 gradients itself
+        # fp16_master averages the fp32 gradients itself, sent in bf16 where asked
+        return "bf16" if precision.cfg.reduce_dtype == "bf16" else held(stand_in)
     return None
 
 

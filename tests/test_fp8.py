@@ -1,5 +1,6 @@
 """precision=fp8 (torchao float8 training, emulated on a CPU): which Linears convert, what the
-audit counts, convergence next to bf16, exact resume, and the modes it combines with."""
+audit counts, convergence next to bf16, exact resume, staged and islands. With compile, DDP and
+FSDP (two ranks of b against one process of 2b) it runs in the pairwise matrix (test_matrix.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 from runner.errors import UserError
 from runner.run import run
 from tests.helpers import TINY_BERT, make_cfg, read_metrics
-from tests.test_distributed import run_ranks
 
 pytest.importorskip("torchao")
 
@@ -96,23 +96,6 @@ def test_an_island_stays_high_precision(tmp_path):
     summary = run(cfg, tmp_path)
     assert summary["fp8"]["skipped"][f"{LAYER}.intermediate.dense"] == "inside an fp32 island"
     assert f"{LAYER}.output.dense" in summary["fp8"]["converted"]
-
-
-def test_compile_compiles_the_fp8_layers(tmp_path):
-    summary = run(make_cfg(*BERT, *FP8, "trainer.compile=true", "trainer.max_steps=2"), tmp_path)
-    assert summary["compiled_graphs"] >= 1 and summary["fp8"]["converted"]
-
-
-def test_ddp_two_ranks_match_one_process_within_fp8_tolerance(tmp_path):
-    """fp8's dynamic scales follow each rank's own activations, so two ranks of b match one
-    process of 2b within fp8's rounding, not bit for bit."""
-    base = [*BERT, *FP8, "model.dropout=0"]
-    one = run(make_cfg(*base, "dataset.batch_size=8"), tmp_path / "one")
-    run_ranks([(base + ["dataset.batch_size=4"], tmp_path / "two")])
-    two = read_metrics(tmp_path / "two")
-    for a, b in zip(read_metrics(tmp_path / "one"), two, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
-    assert one["status"] == "completed"
 
 
 def test_a_bad_recipe_is_one_clear_line(tmp_path):

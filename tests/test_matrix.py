@@ -30,8 +30,10 @@ STAGES = (
     "{mode:bf16,until_step:4},{mode:fp16}]"
 )
 
-# (precision, strategy, compile, island, accumulate, checkpointing): all pairs of values covered
-# in 14 runs (fp16_master with FSDP is refused: FSDP's fp32 shards are already the master weights).
+# (precision, strategy, compile, island, accumulate, checkpointing): all pairs of values covered.
+# Two pairs are refused, so left out: FSDP with fp16_master (FSDP's fp32 shards are already the
+# master weights) and with bf16_true (FSDP2 gathers one dtype per unit).
+REFUSED = {("fp16_master", "fsdp"), ("bf16_true", "fsdp")}
 MATRIX = [
     ("fp32", "single", False, False, 1, False),
     ("fp32", "ddp", True, True, 1, True),
@@ -47,6 +49,11 @@ MATRIX = [
     ("staged", "fsdp", False, False, 1, True),
     ("fp16_master", "single", True, True, 1, False),
     ("fp16_master", "ddp", False, False, 2, True),
+    ("bf16_true", "single", True, True, 1, False),
+    ("bf16_true", "ddp", False, False, 2, True),
+    ("fp8", "single", True, False, 2, True),
+    ("fp8", "ddp", False, True, 1, False),
+    ("fp8", "fsdp", True, True, 2, False),
 ]
 
 
@@ -110,6 +117,8 @@ def _overrides(precision, strategy, compiled, island, accumulate, checkpointing)
         out.append(f"trainer.strategy={strategy}")
     if precision == "staged":
         out.append(STAGES)
+    if precision == "fp8":  # blocks.2 converts (the first and last Linear stay bf16 by default)
+        out.append("precision.fp8.min_features=16")
     if island:
         out.append("precision.fp32_modules=[net.blocks.0]")
     return out
@@ -193,6 +202,15 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
         assert [r["loss_scale"] for r in rows] == expected
     if precision == "staged":
         assert [r["precision"] for r in rows] == STAGE_MODES
+    if precision == "fp8":  # one layer in fp8; ranks of b match one process of 2b within fp8
+        assert summary["fp8"]["converted"] == ["net.blocks.2"]
+        assert summary["fp8"]["fp8_flops_per_step"] > 0
+        single = read_metrics(root / _name(next(r for r in MATRIX if r[:2] == ("fp8", "single"))))
+        for got, want in zip(rows, single, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
+    if precision == "bf16_true":  # bf16 weights; the island's stay fp32
+        weights = summary["memory"]["params"]["by_dtype"]
+        assert set(weights) == ({"bfloat16", "float32"} if island else {"bfloat16"}), weights
     if precision == "fp32":  # the math says every fp32 run equals the reference
         reference = read_metrics(root / _name(MATRIX[0]))
         for got, want in zip(rows, reference, strict=True):
@@ -209,6 +227,6 @@ def test_the_matrix_covers_every_pair():
                 (a, b)
                 for a in values[i]
                 for b in values[j]
-                if (a, b) not in seen and (a, b) != ("fp16_master", "fsdp")
+                if (a, b) not in seen and (a, b) not in REFUSED
             ]
             assert not missing, (i, j, missing)

@@ -82,11 +82,13 @@ class Float8:
         so they convert too."""
         _conv1d_to_linear(model)
         in_islands = {id(m) for island in islands for m in island.modules()}
-        linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         order = [n for n, _ in linears]
         chosen = set()
         for name, linear in linears:
             reason = "inside an fp32 island" if id(linear) in in_islands else None
+            if type(linear) is not nn.Linear:
+                reason = reason or f"a {type(linear).__name__}, not a plain nn.Linear"
             reason = reason or self._skip_reason(name, linear, order)
             if reason:
                 self.skipped[name] = reason

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
-from runner.precision import islands
+from runner.precision import bf16_true, islands
 from runner.precision.caps import DeviceCaps, compute_mode
 from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
@@ -22,7 +22,8 @@ AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.b
 
 class Precision:
     """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
-    follows a `staged` schedule step by step, and keeps fp16_master's fp32 master weights.
+    follows a `staged` schedule step by step, keeps fp16_master's fp32 master weights, and casts
+    bf16_true's model.
 
     The loop calls `autocast()`, `backward()` and `step()`; it never touches `torch.amp`."""
 
@@ -99,7 +100,8 @@ class Precision:
 
     def _enter(self, mode: str, reason: str) -> None:
         self.mode, self.reason = mode, reason
-        self.dtype = AUTOCAST_DTYPES.get(compute_mode(mode))
+        # bf16_true computes in its weights' dtype, without autocast
+        self.dtype = None if mode == "bf16_true" else AUTOCAST_DTYPES.get(compute_mode(mode))
         if self.fp8:
             self.fp8.active = mode == "fp8"
         # Explicit either way: a previous stage or job in this process may have left "high".
@@ -123,13 +125,19 @@ class Precision:
 
     def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
         """Install the fp32 islands (in every mode: a later stage may autocast), then, for
-        fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32)."""
+        fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32);
+        for bf16_true, cast them to bf16 (islands, and norms unless told, stay fp32)."""
         islands.keep_fp32(model, fp32_modules, self.device.type)
         if self.fp8:
             self.fp8.prepare(model, islands.find(model, fp32_modules))
         if self.mode == "fp16_master":
             kept = {p for m in islands.find(model, fp32_modules) for p in m.parameters()}
             self.master.prepare(model, kept)
+        if self.mode == "bf16_true":
+            c = self.cfg
+            bf16_true.prepare(
+                model, islands.find(model, fp32_modules), c.keep_norms_fp32, c["update"]
+            )
 
     def counting(self) -> contextlib.AbstractContextManager:
         """In the audited step: what the mode adds to the audit (fp8's GEMM FLOPs)."""
@@ -189,9 +197,14 @@ class Precision:
         return result
 
     def _average_over_ranks(self, grads: list[torch.Tensor]) -> None:
-        """fp16_master under several ranks: the fp32 gradients, averaged as DDP would."""
+        """fp16_master under several ranks: the fp32 gradients, averaged as DDP would, in
+        `reduce_dtype` (bf16: sent and summed in bf16, then back to fp32)."""
+        low = self.cfg.reduce_dtype == "bf16"
         for grad in grads:  # fp32, whatever the weights are
-            dist.all_reduce(grad)
+            sent = grad.to(torch.bfloat16) if low else grad
+            dist.all_reduce(sent)
+            if low:
+                grad.copy_(sent)
         torch._foreach_div_(grads, self.world)
 
     @property
