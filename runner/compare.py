@@ -24,7 +24,7 @@ from runner import report
 from runner.config import LOSS_SCALED_MODES, RunnerConfig
 from runner.errors import UserError
 from runner.report import as_float
-from runner.seeds import Group, judge
+from runner.seeds import Group, judge, memory_figure
 
 TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence" (one seed)
 MAX_SKIPPED_SHARE = 0.5
@@ -162,6 +162,7 @@ def analyse(
             "flops_per_step": as_float(s.get("flops_per_step")),
             "peak_tflops": as_float(s.get("peak_tflops")),
             "peak_memory_mb": as_float(s.get("peak_memory_mb")),
+            "memory_mb": memory_figure(s)[0],
             "final_loss": final_loss,
             "eval_loss": as_float(s.get("eval_loss")),
             "skipped_steps": skipped,
@@ -174,7 +175,7 @@ def analyse(
         if base is not None:
             b = base.summary
             f["speedup"] = f["samples_per_s"] / as_float(b.get("samples_per_s"))
-            f["memory_saving"] = 1 - f["peak_memory_mb"] / as_float(b.get("peak_memory_mb"))
+            f["memory_saving"] = 1 - f["memory_mb"] / memory_figure(b)[0]
             window = max(1, min(len(job.rows), len(base.rows)) // 10)
             ours, theirs = _smoothed(job.rows, window), _smoothed(base.rows, window)
             gaps = [

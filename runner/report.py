@@ -33,7 +33,7 @@ COLUMNS = [
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}×"),
     ("samples/s IQR", "samples_per_s_iqr", "{:.1f}"),
-    ("peak MB", "peak_memory_mb", "{:.0f}"),
+    ("memory MB", "memory_mb", "{:.1f}"),
     ("mem saving", "memory_saving", "{:+.0%}"),
     ("seeds", "seeds", "{}"),
     ("final loss", "final_loss", "{:.4f}"),

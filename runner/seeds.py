@@ -103,6 +103,19 @@ def _mean_std(values) -> tuple[float, float]:
     return mean, statistics.stdev(values) if len(values) > 1 else math.nan
 
 
+def memory_figure(summary: dict) -> tuple[float, str]:
+    """(MB, what it is) for the memory saving: CUDA's measured peak; on a CPU the accounted total
+    of summary.json's `memory` (a CPU process's peak is not one job's: a sweep's later jobs
+    inherit it); for a summary from before that accounting, the process's peak."""
+    memory = summary.get("memory") or {}
+    if memory.get("peak") is not None:
+        return float(memory["peak"]), "measured peak"
+    if memory.get("total") is not None:
+        return float(memory["total"]), "accounted total"
+    peak = summary.get("peak_memory_mb")
+    return (math.nan if peak is None else float(peak)), "process peak"
+
+
 def _own_figures(g: Group, timing: dict | None) -> dict:
     """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
     jobs = g.counted
@@ -110,6 +123,7 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
     for key in ("final_loss", "eval_loss"):
         f[key], f[f"{key}_std"] = _mean_std(j.figures[key] for j in jobs)
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
+    f["memory_source"] = memory_figure(jobs[0].summary)[1]
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
         # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation).
@@ -262,7 +276,7 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
             b = base.figures
             timing = timings.get((g.precision, g.setting))  # fp32's came in the same rounds
             f["speedup"] = timing["speedup"] if timing else f["samples_per_s"] / b["samples_per_s"]
-            f["memory_saving"] = 1 - f["peak_memory_mb"] / b["peak_memory_mb"]
+            f["memory_saving"] = 1 - f["memory_mb"] / b["memory_mb"]
             f["gap_in_spreads"], f["gap_metric"] = _gap(g, base)
         else:  # the same keys in every row
             f |= dict.fromkeys(("speedup", "memory_saving", "gap_in_spreads"), math.nan)

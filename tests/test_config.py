@@ -16,8 +16,9 @@ from tests.helpers import TINY_MLP, make_cfg
     "args, message",
     [
         (
-            ["precision=fp8"],
-            "unknown precision 'fp8': choose from auto, bf16, fp16, fp16_master, fp32, staged, tf32",
+            ["precision=fp4"],
+            "unknown precision 'fp4': choose from auto, bf16, bf16_true, fp16, fp16_master, fp32, "
+            "fp8, staged, tf32",
         ),
         (
             ["model=gpt9"],

@@ -143,3 +143,13 @@ def test_the_scale_history_decides_the_advice_when_the_gradient_is_fine(history,
     base = {"skipped_steps": 0, "steps": 20, "scale_min": 65536.0, "scale_final": 65536.0}
     base |= {"scale_backoffs": 0} | history
     assert recommend({}, base, 65536.0, 2000).startswith(advice)
+
+
+def test_the_memory_saving_uses_the_measured_peak_on_cuda_and_the_accounted_total_on_a_cpu():
+    from runner.seeds import memory_figure
+
+    cuda = {"memory": {"total": 10.0, "peak": 14.0}, "peak_memory_mb": 14.0}
+    cpu = {"memory": {"total": 10.0, "peak": None}, "peak_memory_mb": 900.0}
+    assert memory_figure(cuda) == (14.0, "measured peak")
+    assert memory_figure(cpu) == (10.0, "accounted total")
+    assert memory_figure({"peak_memory_mb": 900.0}) == (900.0, "process peak")
