@@ -2,8 +2,9 @@
 # The GPU check: what CI (CPU-only) cannot run. On a machine with an NVIDIA GPU, from the repo root:
 #   bash scripts/gpu_check.sh [OUT_DIR]        (about 8 minutes on one H200)
 # 1. the gpu-marked tests (every mode on CUDA; the optimizer step never syncs with the GPU);
-# 2. bert_base in fp32, tf32, fp16 and bf16 with torch.compile, side by side: samples/s, speedup,
-#    peak memory and MFU per precision, in OUT_DIR/sweep/compare.md;
+# 2. bert_base in fp32, tf32, fp16, bf16, fp8 and bf16_true with torch.compile, side by side:
+#    samples/s, speedup, peak memory and MFU per precision, in OUT_DIR/sweep/compare.md; gpt2 in
+#    bf16, fp8 and bf16_true in OUT_DIR/gpt2/compare.md (fp8 needs torchao and an sm_89+ GPU);
 # 3. with 2 or more GPUs, DDP and FSDP2 over NCCL on all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +18,15 @@ $PY -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/tests.txt"
 BERT_BASE=(model=bert_base dataset.batch_size=32 dataset.seq_len=512 dataset.num_documents=4000
   trainer.device=cuda trainer.compile=true trainer.max_steps=120 trainer.benchmark.warmup_steps=40
   trainer.val_check_interval=0 trainer.progress_bar=false logger=none)
-$PY -m runner -m precision=fp32,tf32,fp16,bf16 "${BERT_BASE[@]}" "hydra.sweep.dir=$OUT/sweep" \
-  2>&1 | tee "$OUT/sweep.txt"
+$PY -m runner -m precision=fp32,tf32,fp16,bf16,fp8,bf16_true "${BERT_BASE[@]}" \
+  "hydra.sweep.dir=$OUT/sweep" 2>&1 | tee "$OUT/sweep.txt"
 cat "$OUT/sweep/compare.md"
+GPT2=(model=gpt2 dataset.batch_size=16 dataset.seq_len=1024 dataset.num_documents=4000
+  trainer.device=cuda trainer.compile=true trainer.max_steps=120 trainer.benchmark.warmup_steps=40
+  trainer.val_check_interval=0 trainer.progress_bar=false logger=none)
+$PY -m runner -m precision=fp32,bf16,fp8,bf16_true "${GPT2[@]}" "hydra.sweep.dir=$OUT/gpt2" \
+  2>&1 | tee "$OUT/gpt2.txt"
+cat "$OUT/gpt2/compare.md"
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then
   for strategy in ddp fsdp; do

@@ -37,7 +37,9 @@ def test_a_fused_step_never_synchronises_with_the_gpu(mode):
     precision.close()
 
 
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16", "fp16_master", "staged"])
+@pytest.mark.parametrize(
+    "mode", ["fp32", "tf32", "fp16", "bf16", "fp16_master", "staged", "fp8", "bf16_true"]
+)
 def test_every_mode_trains_on_the_gpu_with_its_figures(tmp_path, mode):
     cfg = make_cfg(
         *TINY_BERT,
@@ -52,5 +54,5 @@ def test_every_mode_trains_on_the_gpu_with_its_figures(tmp_path, mode):
     assert summary["device"].startswith("cuda") and summary["peak_memory_mb"] > 0
     assert summary["peak_reserved_mb"] >= summary["peak_memory_mb"]
     assert summary["mfu"] is None or 0 < summary["mfu"] < 1
-    if mode in ("fp16", "bf16", "fp16_master", "staged"):
+    if mode in ("fp16", "bf16", "fp16_master", "staged", "fp8", "bf16_true"):
         assert summary["low_precision_flop_share"] > 0.5
