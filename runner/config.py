@@ -19,8 +19,13 @@ from omegaconf import MISSING, DictConfig, ListConfig
 from runner.errors import UserError
 
 STAGE_MODES = ("fp32", "tf32", "fp16", "bf16", "fp8", "auto")  # the modes `staged` can use
-PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master")
+PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master", "bf16_true")
 LOSS_SCALED_MODES = ("fp16", "fp16_master")  # the modes that need a GradScaler
+# bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
+BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
+ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 update: runner's own
+ADAMW8BIT = "torchao.optim.AdamW8bit"  # optim=adamw8bit
+OWN_ADAMW_KEYS = {"_target_", "_partial_", "lr", "betas", "eps", "weight_decay", "fused", "foreach"}
 SCHEDULE_DECAYS = ("cosine", "linear", "constant")
 
 
@@ -61,6 +66,11 @@ class PrecisionConfig:
     # The dtype gradients are averaged over ranks in (DDP and FSDP): fp32, or bf16 (half the
     # traffic, rounded sums).
     reduce_dtype: str = "fp32"
+    # precision=bf16_true (conf/precision/bf16_true.yaml): norm layers keep fp32 weights, and how
+    # each update goes into a bf16 weight: plain (rounded to nearest: updates below half of
+    # bf16's spacing are lost), stochastic_rounding, or kahan (a bf16 compensation buffer).
+    keep_norms_fp32: bool = True
+    update: str = "plain"  # read it as cfg["update"]: cfg.update is the mapping's method
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
 
 
@@ -169,7 +179,22 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _validate_optim(optim) -> None:
+def _validate_state(o, dtype, update: str) -> None:
+    """`optim.state_dtype` and bf16_true's update rules are the runner's AdamW's (torch's keeps
+    moments in the weights' dtype and rounds to nearest); adamw8bit rounds stochastically."""
+    target, own = o.get("_target_"), dtype is not None or update != "plain"
+    _require(dtype in (None, "fp32", "bf16"), "optim.state_dtype", dtype, "fp32, bf16 or null")
+    why = f"applies to optim=adamw, not {target} (it keeps its own state)"
+    _require(dtype is None or target == ADAMW, "optim.state_dtype", dtype, why)
+    sr8 = update == "stochastic_rounding" and target == ADAMW8BIT
+    why = f"needs optim=adamw (or adamw8bit for stochastic_rounding), not {target}"
+    _require(update == "plain" or sr8 or target == ADAMW, "precision.update", update, why)
+    extra = sorted(set(o) - OWN_ADAMW_KEYS) if own and not sr8 else []
+    why = "the runner's AdamW (optim.state_dtype, precision.update) takes lr, betas, eps, wd only"
+    _require(not extra, "optim.optimizer", extra, why)
+
+
+def _validate_optim(optim, update: str = "plain") -> None:
     """The optimizer's keys where present (AdamW has betas, SGD has momentum), and the schedule
     the runner reads. Here rather than at build time so that a sweep fails before its first job."""
     for group in ("optimizer", "scheduler"):
@@ -181,6 +206,7 @@ def _validate_optim(optim) -> None:
             "must be a group of keys, as in conf/optim/adamw.yaml",
         )
     o, s = optim.optimizer, optim.scheduler
+    _validate_state(o, optim.get("state_dtype"), update)
     if "lr" in o:
         _require(_number(o.lr) and o.lr > 0, "optim.optimizer.lr", o.lr, "must be a number > 0")
     if "eps" in o:
@@ -266,6 +292,13 @@ def validate(cfg: DictConfig) -> None:
         "with trainer.strategy=fsdp use precision=fp16: FSDP's fp32 shards are the master weights",
     )
     _require(
+        not (t.strategy == "fsdp" and p.mode == "bf16_true"),
+        "precision.mode",
+        p.mode,
+        "with trainer.strategy=fsdp use precision=bf16: FSDP2 gathers one dtype per unit (not bf16 "
+        "weights beside fp32 norms), and its fp32 shards already split the weight memory",
+    )
+    _require(
         p.mode in PRECISION_MODES,
         "precision.mode",
         p.mode,
@@ -273,6 +306,10 @@ def validate(cfg: DictConfig) -> None:
     )
     if p.mode == "staged":
         _validate_stages(p.stages)
+    update = p["update"]
+    _require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
+    why = "applies to precision=bf16_true only"
+    _require(update == "plain" or p.mode == "bf16_true", "precision.update", update, why)
     _require(
         p.reduce_dtype in ("fp32", "bf16"),
         "precision.reduce_dtype",
@@ -308,4 +345,4 @@ def validate(cfg: DictConfig) -> None:
     for key, least in (("seeds", 1), ("speed_rounds", 2), ("speed_steps", 1)):
         _require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     _require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
-    _validate_optim(cfg.optim)
+    _validate_optim(cfg.optim, update)

@@ -1,6 +1,7 @@
 """Everything about numeric precision: what a device supports (`caps`), the mode in force and its
 autocast, scaler and TF32 settings (`plan`), the optimizer step's order (`step`), fp16_master's
-fp32 master weights (`master`) and fp32 islands (`islands`). The loop sees only `Precision`."""
+fp32 master weights (`master`), bf16_true's bf16 model and update rounding (`bf16_true`) and fp32
+islands (`islands`). The loop sees only `Precision`."""
 
 from runner.precision.caps import DeviceCaps, compute_mode
 from runner.precision.plan import AUTOCAST_DTYPES, Precision

@@ -9,8 +9,8 @@ import torch
 
 
 def compute_mode(mode: str) -> str:
-    """The arithmetic a mode runs in: fp16_master computes in fp16."""
-    return "fp16" if mode == "fp16_master" else mode
+    """The arithmetic a mode runs in: fp16_master computes in fp16, bf16_true in bf16."""
+    return {"fp16_master": "fp16", "bf16_true": "bf16"}.get(mode, mode)
 
 
 @dataclass(frozen=True)
