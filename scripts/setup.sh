@@ -19,5 +19,19 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "installing $TORCH_SPEC"
   "${PIP[@]}" "$TORCH_SPEC"
 fi
+# torchao (optim=adamw8bit, precision=fp8) is built for one torch release and is not a project
+# dependency (`torchao>=0.18` could bring a torch of its own choosing): it is installed here pinned
+# to the torch just installed, from torchao's table of compatible releases. Add a line when torch
+# moves; other versions get no torchao, with a warning (those options then say it is missing).
+TORCH_RELEASE=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+case "$TORCH_RELEASE" in
+  2.13.*) TORCHAO=0.18.0 ;;
+  *) TORCHAO="" ;;
+esac
+if [ -n "$TORCHAO" ]; then
+  "${PIP[@]}" --no-deps "torchao==$TORCHAO"  # --no-deps: never a torch upgrade
+else
+  echo "warning: no known torchao release for torch $TORCH_RELEASE: optim=adamw8bit and precision=fp8 are unavailable" >&2
+fi
 "${PIP[@]}" -e ".[dev]"
 echo "ready: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
