@@ -20,6 +20,10 @@ os.environ.update(
     HF_DATASETS_CACHE=str(_ROOT / "hf-datasets"),
     AMP_RUNNER_CACHE=str(_ROOT / "amp-runner-cache"),
 )
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Tests in parallel (pytest -n N): one thread per worker and its subprocesses, or their
+    # oversubscribed BLAS threads spin and slow every test many times over.
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -130,19 +130,22 @@ def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
     assert master["skipped_steps"] == 0
 
 
-def test_both_modes_appear_in_the_comparison_like_any_other(tmp_path):
+def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
+    """staged, fp16_master, and the frontier's fp8 and bf16_true in one sweep with fp32 and bf16."""
     sweep = tmp_path / "sweep"
+    modes = ["fp32", "bf16", "staged", "fp16_master", "fp8", "bf16_true"]
     result = cli(
         "-m",
-        "precision=fp32,staged,fp16_master",
+        f"precision={','.join(modes)}",
         *TINY_MLP,
         "trainer.max_steps=12",
+        "precision.fp8.min_features=16",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     jobs = json.loads((sweep / "compare.json").read_text())
-    assert sorted(j["precision"] for j in jobs) == ["fp16_master", "fp32", "staged"]
+    assert sorted(j["precision"] for j in jobs) == sorted(modes)
     assert all(j["status"] == "completed" for j in jobs)
     assert "fp16_master" in (sweep / "compare.md").read_text()
 
