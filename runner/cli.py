@@ -138,7 +138,7 @@ def preflight(args: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from runner import CONF_DIR
-    from runner.config import validate
+    from runner.validation import validate
 
     try:
         jobs = expand(args)

@@ -14,7 +14,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import checkpoint, console, distributed, truth
-from runner.config import validate
 from runner.errors import Preempted, UserError, building, first_line
 from runner.flops import emulation_slowdown, utilisation
 from runner.health import fp16_health
@@ -25,6 +24,7 @@ from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog, open_tracker
 from runner.trainer import Trainer
+from runner.validation import validate
 
 
 def seed_everything(seed: int) -> None:

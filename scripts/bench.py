@@ -34,7 +34,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import runner
-from runner.config import validate
 from runner.interleave import (
     alternate,
     median_ratio,
@@ -47,6 +46,7 @@ from runner.precision import DeviceCaps
 from runner.run import resolve_device
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import compile_counts
+from runner.validation import validate
 
 OVERRIDES = [
     "model=bert",

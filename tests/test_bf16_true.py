@@ -4,18 +4,20 @@ optimizer state's precision (optim.state_dtype, optim=adamw8bit)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import PrecisionConfig, validate
+from runner.config import PrecisionConfig
 from runner.errors import UserError
 from runner.optim import AdamW, build_optimizer
-from runner.precision import Precision
+from runner.precision import DeviceCaps, Precision
 from runner.precision.bf16_true import stochastic_round
 from runner.run import build, run, seed_everything
+from runner.validation import validate
 from tests.helpers import load_last, make_cfg, read_metrics
 
 NET = [
@@ -222,3 +224,18 @@ def test_a_missing_torchao_is_one_clear_line(monkeypatch):
     cfg = make_cfg(*NET, "optim=adamw8bit").optim
     with pytest.raises(UserError, match="needs torchao: scripts/setup.sh installs"):
         build_optimizer(cfg, [nn.Parameter(torch.zeros(2, 2))])
+
+
+def test_torchao_s_lines_about_kernels_a_cpu_cannot_load_are_silenced(caplog):
+    build_optimizer(make_cfg(*NET, "optim=adamw8bit").optim, [nn.Parameter(torch.zeros(2, 2))])
+    torchao = logging.getLogger("torchao")
+    torchao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+    torchao.warning("something else")
+    assert [r.getMessage() for r in caplog.records if r.name == "torchao"] == ["something else"]
+
+
+def test_bf16_true_is_refused_on_a_gpu_without_bf16_like_bf16():
+    caps = DeviceCaps("cuda", "Tesla V100", cuda_capability=(7, 0))
+    cfg = OmegaConf.structured(PrecisionConfig(mode="bf16_true"))
+    with pytest.raises(UserError, match="bf16 tensor cores need ≥ 8.0"):
+        Precision(cfg, torch.device("cpu"), caps)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from runner.cli import expand, preflight
-from runner.config import validate
 from runner.errors import UserError, first_line
 from runner.optim import build_optimizers
 from runner.run import build
+from runner.validation import validate
 from tests.helpers import TINY_MLP, make_cfg
 
 

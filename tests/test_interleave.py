@@ -11,8 +11,8 @@ import pytest
 
 from runner import interleave
 from runner.compare import compare
-from runner.config import validate
 from runner.errors import UserError
+from runner.validation import validate
 from tests.helpers import TINY_MLP, cli, make_cfg
 from tests.test_compare import fake_job
 
