@@ -81,7 +81,11 @@ def account(
     masters = list(masters)
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = [
-        v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+        v
+        for opt in optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     ]
     categories = {
         "params": _bytes_by_dtype(model.parameters()),

@@ -78,7 +78,10 @@ def test_a_staged_run_resumes_in_its_stage_with_its_scaler(tmp_path):
     [
         ("[{mode:fp32,until_step:5},{mode:bf16,until_step:9}]", "the last stage runs to the end"),
         ("[{mode:fp32,until_step:5},{mode:fp16,until_step:5},{mode:bf16}]", "after the previous"),
-        ("[{mode:fp16_master,until_step:5},{mode:bf16}]", "allowed: fp32, tf32, fp16, bf16, fp8, auto"),
+        (
+            "[{mode:fp16_master,until_step:5},{mode:bf16}]",
+            "allowed: fp32, tf32, fp16, bf16, fp8, auto",
+        ),
         ("[{mode:fp32},{mode:bf16}]", "precision.stages.0.until_step=None is invalid"),
     ],
 )
