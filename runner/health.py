@@ -54,7 +54,7 @@ def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
     def watch(_module, _inputs, output) -> None:
         nonlocal largest
         if isinstance(output, torch.Tensor) and output.is_floating_point() and output.numel():
-            largest = max(largest, float(output.detach().abs().max()))
+            largest = max(largest, float(output.detach().abs().nan_to_num(0.0).max()))
 
     params = [p for p in task.parameters() if p.requires_grad]
     hooks = [m.register_forward_hook(watch) for m in task.modules()]
@@ -67,7 +67,7 @@ def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
         for hook in hooks:
             hook.remove()
     magnitudes = torch.cat([g.detach().abs().flatten().float() for g in grads if g is not None])
-    magnitudes = magnitudes[magnitudes > 0]
+    magnitudes = magnitudes[(magnitudes > 0) & magnitudes.isfinite()]  # inf/NaN: not fp16's range
     count = max(magnitudes.numel(), 1)
 
     def share(condition: torch.Tensor) -> float:
@@ -81,7 +81,9 @@ def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
         "underflow_share_scaled": share(scaled < FP16_TINY),
         "subnormal_share": share((scaled >= FP16_TINY) & (scaled < FP16_NORMAL)),
         "activation_max": largest,
-        "activation_headroom_log2": math.log2(FP16_MAX / largest) if largest else None,
+        "activation_headroom_log2": math.log2(FP16_MAX / largest)
+        if 0 < largest < math.inf
+        else None,
         # all but TARGET_LOW of the gradient lies above it: what a scale should lift past normal
         "gradient_low_quantile": float(
             magnitudes.kthvalue(max(1, int(TARGET_LOW * magnitudes.numel()))).values

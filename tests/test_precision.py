@@ -36,6 +36,9 @@ def test_autocast_wraps_forward_and_eval_only_and_weights_stay_fp32(tmp_path, mo
     mixed = mode in ("fp16", "bf16")
     forward = [e for kind, e in probes.EVENTS if kind == "forward"]
     backward = [e for kind, e in probes.EVENTS if kind == "backward"]
+    if mode == "fp16":  # fp16 health's fp32 reference on the first micro-batch, autocast off
+        reference, forward, backward = forward[0], forward[1:], backward[1:]
+        assert not reference["autocast"] and reference["input_dtype"] == torch.float32
     evals = [e for kind, e in probes.EVENTS if kind == "eval"]
     assert len(forward) == 4 and len(backward) == 4 and len(evals) == 1
     assert all(e["autocast"] == mixed for e in forward)

@@ -78,7 +78,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, cwd) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])  # bf16 keeps no state beyond fp32's
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, mode):
     overrides = [*RESUMABLE, f"precision={mode}"]
     if mode == "fp16":  # a scale that overflows at first: the resumed run must carry it over
