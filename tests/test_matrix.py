@@ -53,7 +53,7 @@ MATRIX = [
     ("bf16_true", "ddp", False, False, 2, True),
     ("fp8", "single", True, False, 2, True),
     ("fp8", "ddp", False, True, 1, False),
-    ("fp8", "fsdp", True, True, 2, False),
+    ("fp8", "fsdp", False, True, 2, False),
 ]
 
 
