@@ -4,6 +4,7 @@ sums, so that an accumulation window is normalised over all its targets, not per
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
 import torch
@@ -21,7 +22,7 @@ def _shape(t: torch.Tensor) -> str:
     return f"[{', '.join(map(str, t.shape))}]"
 
 
-class Loss:
+class Loss(ABC):
     """`total(prediction, target)` sums the loss over the micro-batch's `count(target)` terms."""
 
     name: str
@@ -38,8 +39,8 @@ class Loss:
     def count(self, target: torch.Tensor) -> int:
         return len(target)
 
-    def total(self, prediction, target: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def total(self, prediction, target: torch.Tensor) -> torch.Tensor: ...
 
 
 class CrossEntropy(Loss):

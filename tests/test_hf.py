@@ -14,7 +14,7 @@ import transformers
 from runner.errors import UserError
 from runner.run import build, run
 from tests.helpers import load_last, make_cfg, read_metrics
-from tests.test_own_model import QUIET, _saved_bytes_and_grads
+from tests.test_own_model import QUIET, assert_recomputed_alike
 
 POSITIVE = ["good", "great", "fine", "nice"]
 NEGATIVE = ["bad", "poor", "awful", "sad"]
@@ -113,11 +113,7 @@ def test_hf_gradient_checkpointing_recomputes_in_the_forwards_precision(
     )
     plain.train(), checkpointed.train()
     batch = data.collate("train", [(0, 0, i) for i in range(4)])
-    plain_bytes, plain_grads = _saved_bytes_and_grads(plain, batch, precision)
-    ckpt_bytes, ckpt_grads = _saved_bytes_and_grads(checkpointed, batch, precision)
-    assert ckpt_bytes < plain_bytes
-    for name, grad in plain_grads.items():
-        assert torch.equal(ckpt_grads[name], grad), name
+    assert_recomputed_alike(plain, checkpointed, batch, precision)
 
 
 def test_a_causal_lm_trains_on_its_own_loss(tmp_path):

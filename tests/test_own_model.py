@@ -187,6 +187,11 @@ def test_gradient_checkpointing_recomputes_in_the_forwards_precision(precision):
     _, checkpointed = build(module_cfg("model.gradient_checkpointing=true"))
     checkpointed.load_state_dict(plain.state_dict())
     batch = plain_data.collate("train", [(0, 0, i) for i in range(16)])
+    assert_recomputed_alike(plain, checkpointed, batch, precision)
+
+
+def assert_recomputed_alike(plain, checkpointed, batch, precision: str) -> None:
+    """The checkpointed task saves less for backward, and its gradients are the plain one's."""
     plain_bytes, plain_grads = _saved_bytes_and_grads(plain, batch, precision)
     ckpt_bytes, ckpt_grads = _saved_bytes_and_grads(checkpointed, batch, precision)
     assert ckpt_bytes < plain_bytes
