@@ -16,7 +16,7 @@ sweep: setup
 	$(PY) -m runner -m precision=fp32,fp16,bf16 model=bert
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
