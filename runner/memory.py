@@ -22,10 +22,20 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors a tensor holds: a subclass (torchao's 8-bit optimizer state: uint8 codes,
+    fp32 scales) by its parts, not by the dtype it shows."""
+    t = _local(t)
+    if hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _parts(getattr(t, name))
+    else:
+        yield t
+
+
 def _bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
-    for t in tensors:
-        t = _local(t)
+    for t in (part for tensor in tensors for part in _parts(tensor)):
         out[_dtype(t)] += t.numel() * t.element_size()
     return dict(out)
 
