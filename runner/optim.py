@@ -72,15 +72,20 @@ class AdamW(torch.optim.Optimizer):
 
 
 def _not_a_missing_library(record: logging.LogRecord) -> bool:
-    """torchao logs "Failed to load ..._C_*.so" for each CUDA kernel library a CPU cannot load."""
     return not record.getMessage().startswith("Failed to load")
+
+
+def quiet_torchao() -> None:
+    """torchao logs "Failed to load ..._C_*.so" for each CUDA kernel library a CPU cannot load:
+    those lines are dropped, its other messages kept (fp8 and the torchao optimizers use it)."""
+    logging.getLogger("torchao").addFilter(_not_a_missing_library)
 
 
 def _torchao_optimizer(node, groups: list[dict], stochastic_rounding: bool):
     """A torchao optimizer (optim=adamw8bit), torchao imported only now. Its quantized state
     tensors are saved as their plain parts, so a checkpoint loads with weights_only=True before
     torchao is imported (a resume reads it before the optimizer is built)."""
-    logging.getLogger("torchao").addFilter(_not_a_missing_library)
+    quiet_torchao()
     if importlib.util.find_spec("torchao") is None:
         raise UserError(
             f"optim.optimizer._target_={node._target_} needs torchao: scripts/setup.sh installs "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -22,8 +21,9 @@ FP8_DIMENSION = 16  # the fp8 GEMM kernels need both dimensions to be multiples 
 
 def _torchao_float8():
     """torchao's float8 module, imported only when fp8 is asked for (it is a large import)."""
-    # On machines without its CUDA kernels torchao logs one line per library it cannot load.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    from runner.optim import quiet_torchao  # here: runner.optim imports runner.precision
+
+    quiet_torchao()
     try:
         import torchao.float8 as float8
     except ImportError:
