@@ -22,6 +22,13 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage, shared by its views. Not its address: FSDP frees a
+    gathered weight's memory after the forward while autograd keeps the storage, and the address
+    is then reused by the next unit's tensors."""
+    return t.untyped_storage()._cdata
+
+
 def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors a tensor holds: a subclass (torchao's 8-bit optimizer state: uint8 codes,
     fp32 scales) by its parts, not by the dtype it shows."""
@@ -42,14 +49,23 @@ def _bytes_by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
 
 class SavedActivations:
     """Counts what autograd saves for backward during forwards (`counting()`), each storage once
-    per forward, parameters left out (they are counted as parameters; autocast's low-precision
-    copies of them are counted here: they are what autocast adds). The figure is the largest
-    forward's: with accumulation, a micro-batch's saved tensors are freed by its backward before
-    the next forward."""
+    per forward, the parameters themselves left out (they are counted as parameters; autocast's
+    low-precision copies of them are counted here: they are what autocast adds). Every parameter,
+    frozen ones too, is read off `model` as it stands when a tensor is saved: under FSDP a unit
+    holds its gathered full weights then, not its shard. The figure is the largest forward's:
+    with accumulation, a micro-batch's saved tensors are freed by its backward before the next
+    forward."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor]):
-        self._parameters = {_local(p).untyped_storage().data_ptr() for p in parameters}
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._model = model
+        self._held = {n: p.dtype for n, p in model.named_parameters()} if model else {}
         self.by_dtype: dict[str, int] = {}
+
+    def _weights(self) -> set[int]:
+        """The storages of the parameters in their own dtype. FSDP gathering a unit in a lower
+        dtype makes the copy autocast makes under DDP, and is counted as DDP counts that."""
+        named = self._model.named_parameters() if self._model else ()
+        return {_storage(_local(p)) for n, p in named if p.dtype == self._held[n]}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -57,11 +73,10 @@ class SavedActivations:
         forward: dict[str, int] = defaultdict(int)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key not in seen and key not in self._parameters:
+            key = _storage(t)
+            if key not in seen and key not in self._weights():
                 seen.add(key)
-                forward[_dtype(t)] += storage.nbytes()
+                forward[_dtype(t)] += t.untyped_storage().nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

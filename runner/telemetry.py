@@ -9,7 +9,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -89,12 +89,12 @@ class Meter:
         world: int,
         rows: list[dict],
         num_tokens: Callable[[Batch], int],
-        params: Iterable[torch.Tensor] = (),
+        task: torch.nn.Module | None = None,
     ):
         self.cfg, self.device, self.world, self.num_tokens = cfg, device, world, num_tokens
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
-        self.activations = SavedActivations(params)  # counted in audited steps
+        self.activations = SavedActivations(task)  # counted in audited steps
         self.health: dict | None = None  # fp16's gradient health, from an audited step
         self._auditing = False
         self._pending: list[dict] = []
@@ -220,7 +220,17 @@ class Meter:
         interquartile ranges of throughput and step time over the window's steps, which are
         timed by interval; None where the window has fewer than two intervals to compare."""
         start = self.first_step + self.cfg.benchmark.warmup_steps
-        steady = [r for r in self.rows if r["step"] > start] or self.rows[-1:]
+        steady = [r for r in self.rows if r["step"] > start]
+        if not steady:
+            # The warm-up holds the eager audit and fp16's fp32 probe: its speed would mislead.
+            keys = ("samples_per_s", "samples_per_s_iqr", "tokens_per_s", "step_time_s")
+            keys += ("step_time_s_iqr", "step_time_p90_s", "data_wait_share")
+            return dict.fromkeys(keys) | {
+                "speed_intervals": 0,
+                "speed_note": f"no steady window: the run ended within its "
+                f"{self.cfg.benchmark.warmup_steps}-step warm-up (trainer.benchmark.warmup_steps), "
+                "so its speed is untested",
+            }
         times = [r["step_time_s"] for r in steady]
         intervals = sum(end > start for end in self._interval_ends)
         throughput = [r["samples_per_s"] for r in steady]

@@ -63,7 +63,7 @@ class Trainer:
         self.lr = 0.0  # of the last step taken
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
         self.meter = Meter(
-            cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, self.params
+            cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, task
         )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)

@@ -3,6 +3,8 @@ with a recommendation)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ class TwoLinear(nn.Module):
         return self.second(torch.relu(self.first(x)))
 
 
-def two_linear(precision: str, out):
+def two_linear(precision: str, out, *overrides: str):
     cfg = make_cfg(
         "model=module",
         "model.net._target_=tests.test_memory_health.TwoLinear",
@@ -38,6 +40,7 @@ def two_linear(precision: str, out):
         "trainer.max_steps=2",
         "trainer.progress_bar=false",
         "logger=none",
+        *overrides,
     )
     return run(cfg, out)["memory"]
 
@@ -98,6 +101,53 @@ def test_bf16_saves_less_activation_memory_for_bert(tmp_path):
         for p in ("fp32", "bf16")
     }
     assert 0.4 < saved["bf16"] / saved["fp32"] < 0.75, saved
+
+
+def test_a_frozen_weight_is_a_parameter_not_an_activation(tmp_path):
+    """Frozen, the second layer still saves its weight (for the ReLU output's gradient) and the
+    ReLU output (for its own): fp32 saves what the trainable net saves, by hand above."""
+    frozen = two_linear("fp32", tmp_path / "frozen", "model.freeze=[second]")
+    trainable = two_linear("fp32", tmp_path / "trainable")
+    assert frozen["activations"] == trainable["activations"]
+    assert frozen["grads"]["mb"] == (8 * 16 + 16) * 4 / 2**20  # the second layer has none
+
+
+class Blocks(nn.Module):
+    """Four blocks FSDP shards one by one (gathered in bf16 under precision=bf16). Every weight
+    has an even number of rows: FSDP pads an odd one's gathered copy to split it over 2 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        inner = [nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(2)]
+        self.layers = nn.Sequential(nn.Linear(8, 32), *inner, nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_fsdp_saves_what_ddp_saves(tmp_path, mode):
+    """Over 2 ranks, the full weights FSDP gathers for a forward are the parameters, not
+    activations; gathered in bf16 they are the copies bf16 autocast makes under DDP."""
+    from tests.test_distributed import run_ranks
+
+    common = [
+        "model=module",
+        "model.net._target_=tests.test_memory_health.Blocks",
+        "dataset.train._target_=tests.test_own_model.pairs",
+        f"dataset.batch_size={BATCH}",
+        f"precision={mode}",
+        "trainer.max_steps=1",
+        "trainer.progress_bar=false",
+        "logger=none",
+    ]
+    strategies = ("ddp", "fsdp")
+    run_ranks([([*common, f"trainer.strategy={s}"], tmp_path / s) for s in strategies])
+    ddp, fsdp = (
+        json.loads((tmp_path / s / "summary.json").read_text())["memory"] for s in strategies
+    )
+    assert fsdp["activations"] == ddp["activations"]
+    assert fsdp["params"]["mb"] < ddp["params"]["mb"]  # each rank holds a shard of them
 
 
 def test_fp16_health_finds_underflow_at_a_small_scale_and_none_at_the_default(tmp_path):
