@@ -13,7 +13,7 @@ import torch
 MB = 2**20
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) parameter's own shard: what this rank holds."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -32,7 +32,7 @@ def _storage(t: torch.Tensor) -> int:
 def _parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors a tensor holds: a subclass (torchao's 8-bit optimizer state: uint8 codes,
     fp32 scales) by its parts, not by the dtype it shows."""
-    t = _local(t)
+    t = local(t)
     if hasattr(t, "__tensor_flatten__"):
         for name in t.__tensor_flatten__()[0]:
             yield from _parts(getattr(t, name))
@@ -65,7 +65,7 @@ class SavedActivations:
         """The storages of the parameters in their own dtype. FSDP gathering a unit in a lower
         dtype makes the copy autocast makes under DDP, and is counted as DDP counts that."""
         named = self._model.named_parameters() if self._model else ()
-        return {_storage(_local(p)) for n, p in named if p.dtype == self._held[n]}
+        return {_storage(local(p)) for n, p in named if p.dtype == self._held[n]}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:

@@ -144,7 +144,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         model = distributed.wrap(task, ranks, cfg.trainer.strategy, precision, device)
         groups = precision.optimizer_groups(task.parameter_groups())
         optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
-        truth.watch(optimizers, task, model, precision, summary)  # at the first step: dtypes held
+        state_dtype = cfg.optim.get("state_dtype")
+        truth.watch(optimizers, task, model, precision, state_dtype, summary)  # dtypes held
         trainer = Trainer(
             cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks, model
         )

@@ -12,6 +12,7 @@ import torch
 from rich.markup import escape
 
 from runner import console, distributed
+from runner.memory import local
 from runner.precision.islands import is_island
 from runner.precision.master import NORM_LAYERS
 
@@ -25,11 +26,21 @@ def short(dtype: torch.dtype | None) -> str | None:
 
 
 def held(t: torch.Tensor | None) -> str | None:
-    """The dtype a tensor holds: an FSDP2 shard's own (its DTensor's local tensor)."""
-    if t is None:
-        return None
-    to_local = getattr(t, "to_local", None)
-    return short((to_local() if to_local else t).dtype)
+    """The dtype a tensor holds (an FSDP2 shard's own)."""
+    return None if t is None else short(local(t).dtype)
+
+
+class Quantized(str):
+    """A quantized optimizer state tensor (torchao's 8-bit state: a tensor subclass that shows the
+    dtype it dequantizes to) by the parts it holds: `uint8 codes, fp32 scale, fp32 qmap`. Its
+    format is the optimizer's own (optim=adamw8bit), not a dtype the config names."""
+
+
+def _state_held(t: torch.Tensor) -> str:
+    t = local(t)
+    if not hasattr(t, "__tensor_flatten__"):
+        return held(t)
+    return Quantized(", ".join(f"{held(getattr(t, n))} {n}" for n in t.__tensor_flatten__()[0]))
 
 
 class Truth(dict):
@@ -39,13 +50,20 @@ class Truth(dict):
         return f"{len(self['rows'])} rows, {len(self['mismatches'])} mismatches (see run start)"
 
 
-def watch(optimizers: dict, task: torch.nn.Module, model, precision, summary: dict) -> None:
+def watch(
+    optimizers: dict,
+    task: torch.nn.Module,
+    model,
+    precision,
+    state_dtype: str | None,
+    summary: dict,
+) -> None:
     """After the last optimizer's first applied step (all have stepped then): print the table
     and put it in `summary`. The hook removes itself."""
 
     def once(*_) -> None:
         handle.remove()
-        truth = precision_truth(task, model, precision, list(optimizers.values()))
+        truth = precision_truth(task, model, precision, list(optimizers.values()), state_dtype)
         summary["precision_truth"] = truth
         show(truth)
 
@@ -86,8 +104,9 @@ def _reduce(model, precision, policy, grad: str, stand_in: torch.Tensor) -> str 
     return None
 
 
-def precision_truth(task, model, precision, optimizers) -> Truth:
-    """The table, read off `task`'s parameters, their gradients, masters and optimizer state."""
+def precision_truth(task, model, precision, optimizers, state_dtype: str | None = None) -> Truth:
+    """The table, read off `task`'s parameters, their gradients, masters and optimizer state;
+    `state_dtype` is `optim.state_dtype` (null: the state is in the stepped weights' dtype)."""
     state = {p: s for opt in optimizers for p, s in opt.state.items()}
     policies = _fsdp_policies(task) if precision.sharded else {}
     modules = dict(task.named_modules())
@@ -102,7 +121,7 @@ def precision_truth(task, model, precision, optimizers) -> Truth:
         grad = held(p.grad) or weights  # fp16_master moved it into the master's
         policy = policies.get(id(p))
         opt_state = {
-            k: held(v)
+            k: _state_held(v)
             for k, v in state.get(stand_in, {}).items()
             if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()
         }
@@ -124,7 +143,7 @@ def precision_truth(task, model, precision, optimizers) -> Truth:
     found = list(rows.values())
     problems: dict[str, list[dict]] = {}  # one line a problem, however many rows show it
     for row in found:
-        for problem in _problems(row, precision):
+        for problem in _problems(row, precision, state_dtype):
             problems.setdefault(problem, []).append(row)
     mismatches = [
         f"{problem}: {sum(r['count'] for r in hit)} parameter(s) of "
@@ -134,8 +153,8 @@ def precision_truth(task, model, precision, optimizers) -> Truth:
     return Truth(mode=precision.mode, autocast=autocast, rows=found, mismatches=mismatches)
 
 
-def _problems(row: dict, precision) -> list[str]:
-    """What the row holds that `precision` did not ask for."""
+def _problems(row: dict, precision, state_dtype: str | None) -> list[str]:
+    """What the row holds that `precision` and `optim.state_dtype` did not ask for."""
     mode, out = precision.mode, []
     island = row["autocast"] == "off (island)"
     expected, why = "fp32", f"precision={mode} {MIXED_WEIGHTS}"
@@ -151,9 +170,11 @@ def _problems(row: dict, precision) -> list[str]:
         out.append(f"master copy is {row['master']}, not fp32")
     if row["master_grads"] not in (None, "fp32"):
         out.append(f"master gradients are {row['master_grads']}, not fp32")
-    state = expected if mode == "bf16_true" else "fp32"  # bf16_true: in the weights' dtype
+    stepped = expected if mode == "bf16_true" else "fp32"  # what the optimizer steps
     for key, dtype in (row["optimizer_state"] or {}).items():
-        if dtype != state:
+        # optim.state_dtype sets the moments; kahan's compensation is in the weight's dtype
+        state = state_dtype if state_dtype and key != "compensation" else stepped
+        if dtype != state and not isinstance(dtype, Quantized):
             out.append(f"optimizer state {key} is {dtype}, not {state}")
     if row["gather"] and row["gather"] not in {row["weights"], None if island else row["autocast"]}:
         out.append(f"FSDP gathers them in {row['gather']}, under autocast {row['autocast']}")

@@ -9,8 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from runner.config import PrecisionConfig
+from runner.precision import Precision
 from runner.run import run
-from tests.helpers import make_cfg
+from runner.truth import precision_truth
+from tests.helpers import load_last, make_cfg
 from tests.test_distributed import run_ranks
 
 HERE = "tests.test_truth"
@@ -113,6 +116,64 @@ def test_a_net_that_casts_itself_to_bf16_is_named_in_a_warning(tmp_path, capsys)
     out = capsys.readouterr()
     assert "warning: precision truth: weights are bf16" in out.err
     assert "rows, 3 mismatches (see run start)" in out.out  # the final summary table
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision=bf16", "optim.state_dtype=bf16"],
+        ["precision=bf16_true", "optim.state_dtype=fp32"],
+        ["precision=bf16_true", "optim.state_dtype=fp32", "precision.update=kahan"],
+    ],
+)
+def test_the_state_dtype_asked_for_is_no_mismatch(tmp_path, overrides):
+    """The moments are in optim.state_dtype, as the checkpoint holds them; kahan's compensation
+    buffer in the bf16 weights' dtype."""
+    run(make_cfg(*net_run(*overrides)), tmp_path)
+    truth = truth_of(tmp_path)
+    assert truth["mismatches"] == []
+    asked = overrides[1].split("=")[1]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[asked]
+    for state in load_last(tmp_path)["optimizer"]["state"].values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == dtype
+    for row in truth["rows"]:
+        assert row["optimizer_state"]["exp_avg"] == row["optimizer_state"]["exp_avg_sq"] == asked
+    if "precision.update=kahan" in overrides:
+        linears = rows_of(truth, "Linear")
+        assert {r["optimizer_state"]["compensation"] for r in linears} == {"bf16"}
+
+
+def test_adamw8bit_state_shows_its_8bit_parts_and_is_no_mismatch(tmp_path, monkeypatch):
+    """torchao's 8-bit state shows the dtype it dequantizes to (fp32); the table gives the parts
+    it holds, as the checkpoint has them."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)  # eager: see test_bf16_true
+    run(make_cfg(*net_run("optim=adamw8bit", "+model.net.width=64")), tmp_path)
+    truth = truth_of(tmp_path)
+    assert truth["mismatches"] == []
+    [quantized] = [r for r in truth["rows"] if r["example"] == "net.blocks.1.0.weight"]
+    state = load_last(tmp_path)["optimizer"]["state"]
+    [parts] = [s["exp_avg"]["tensors"] for s in state.values() if isinstance(s["exp_avg"], dict)]
+    assert parts["codes"].dtype == torch.uint8
+    names = {torch.uint8: "uint8", torch.float32: "fp32"}
+    shown = ", ".join(f"{names[t.dtype]} {name}" for name, t in parts.items())
+    assert quantized["optimizer_state"] == {"exp_avg": shown, "exp_avg_sq": shown}
+    small = [r for r in truth["rows"] if r is not quantized]  # under 4096 elements: plain fp32
+    assert {s for r in small for s in r["optimizer_state"].values()} == {"fp32"}
+
+
+def test_state_in_another_dtype_than_asked_is_a_mismatch():
+    """torch's AdamW keeps the moments in the weights' fp32: with optim.state_dtype=bf16 asked,
+    that is named."""
+    net = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    precision = Precision(PrecisionConfig(mode="bf16"), torch.device("cpu"))
+    truth = precision_truth(net, net, precision, [optimizer], "bf16")
+    assert [m.split(":")[0] for m in truth["mismatches"]] == [
+        "optimizer state exp_avg is fp32, not bf16",
+        "optimizer state exp_avg_sq is fp32, not bf16",
+    ]
 
 
 def test_fsdp_gathers_blocks_in_bf16_and_ddp_reduces_as_asked(tmp_path):
