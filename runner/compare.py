@@ -3,8 +3,11 @@
 Reads each job folder's summary.json, metrics.jsonl and .hydra/config.yaml; writes compare.md,
 compare.csv, compare.json and compare.png into the sweep folder, prints the table, and logs it to
 the sweep's W&B group. Also runs by itself at the end of every multirun (`CompareCallback`).
-Each job is checked against the fp32 job of the same overrides and seed (its health, its loss
-curve's gap); jobs that differ only by their seed make one row (runner/seeds.py). With
+A job is what it ran: its resolved config less its precision mode and seed (`identify`). Jobs that
+differ only by their seed make one row (runner/seeds.py); rows that differ only in precision.*
+make one setting, compared with that setting's fp32 row (or, without fp32, its first row, as the
+report notes). Each job is checked against its baseline's job of the same seed (its health, its
+loss curve's gap). With
 runner.speed=interleaved (or --speed interleaved), each setting's precisions are timed again in
 this process, side by side (runner/interleave.py), and the verdicts use those figures.
 """
@@ -30,6 +33,18 @@ TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence" 
 MAX_SKIPPED_SHARE = 0.5
 
 
+# Keys that say how a job was run, not what it ran: left out of its identity.
+BOOKKEEPING = (
+    "seed",
+    "precision.mode",
+    "logger",
+    "runner",
+    "cache_dir",
+    "trainer.resume",
+    "trainer.progress_bar",
+)
+
+
 @dataclass
 class Job:
     folder: Path
@@ -39,20 +54,80 @@ class Job:
     overrides: list[str]
     verdict: str = ""  # why it failed, diverged or overflowed; its group's verdict says the rest
     figures: dict = field(default_factory=dict)
+    # Set by `identify`, over the whole sweep: what it ran (every config value that varies in the
+    # sweep, less its precision mode and seed), the part of that its fp32 baseline shares (all but
+    # precision.*), and its row's name.
+    identity: tuple = ()
+    setting: tuple = ()
+    label: str = ""
 
     @property
     def precision(self) -> str:
         return self.summary.get("precision") or self.config.get("precision", {}).get("mode", "?")
 
-    @property
-    def context(self) -> tuple:
-        """What must match for two jobs to be compared: every override but the precision."""
-        return tuple(sorted(o for o in self.overrides if not o.startswith("precision")))
 
-    @property
-    def setting(self) -> tuple:
-        """Its context but the seed: what the seeds of one group share."""
-        return tuple(o for o in self.context if o.partition("=")[0] != "seed")
+def _flat(config, prefix: str = "") -> dict[str, str]:
+    """A config's leaves by dotted key, each value as JSON (lists are leaves)."""
+    if not isinstance(config, dict):
+        return {prefix: json.dumps(config, sort_keys=True)}
+    flat = {}
+    for key, value in config.items():
+        flat |= _flat(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return flat
+
+
+def _overridden(job: Job) -> set[str]:
+    """The dotted keys its command line set (`a.b=1`, `+a.b=1`, `++a.b=1`)."""
+    return {o.lstrip("+~").partition("=")[0] for o in job.overrides}
+
+
+def identify(jobs: list[Job]) -> None:
+    """Each job's identity, setting and label. Two jobs are seeds of one row only where their
+    resolved configs agree on everything but the precision mode, the seed and bookkeeping; a
+    precision.* key splits rows inside a setting (each compared with the same fp32 baseline),
+    any other key splits settings. A label names the precision and the values that vary: every
+    key outside precision.*, and a precision.* key where it varies within some mode or this
+    job's command line set it (not staged's stages, which come with the mode)."""
+    flats = [
+        {
+            k: v
+            for k, v in _flat(j.config).items()
+            if not any(k == b or k.startswith(b + ".") for b in BOOKKEEPING)
+        }
+        for j in jobs
+    ]
+    keys = sorted({k for f in flats for k in f})
+    varying = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+    modes = {j.precision for j in jobs}
+    # A key whose value follows from the mode (staged's stages): not a variable of the sweep.
+    by_mode = {
+        k
+        for k in varying
+        if all(
+            len({f.get(k) for j, f in zip(jobs, flats, strict=True) if j.precision == m}) == 1
+            for m in modes
+        )
+    }
+    for job, flat in zip(jobs, flats, strict=True):
+        job.identity = tuple((k, flat.get(k)) for k in varying)
+        job.setting = tuple((k, v) for k, v in job.identity if not k.startswith("precision."))
+        shown = [
+            k
+            for k in varying
+            if not k.startswith("precision.") or k not in by_mode or k in _overridden(job)
+        ]
+        shown.sort(key=lambda k: k.startswith("precision."))  # the setting's keys first
+        job.label = " ".join(
+            [job.precision, *(f"{k.rsplit('.', 1)[-1]}={_shown(flat.get(k))}" for k in shown)]
+        )
+
+
+def _shown(value: str | None) -> str:
+    """A flattened value as a label shows it: strings bare, the rest as JSON."""
+    if value is None:
+        return "unset"
+    loaded = json.loads(value)
+    return loaded if isinstance(loaded, str) else value
 
 
 def _read_job(folder: Path) -> Job:
@@ -96,21 +171,7 @@ def load_sweep(sweep_dir: Path) -> list[Job]:
             f"compare: no runs in {sweep_dir} (expected job folders with .hydra/ or summary.json)"
         )
     jobs = [_read_job(f) for f in folders]
-    models = {
-        json.dumps(j.config.get("model"), sort_keys=True) for j in jobs if j.config.get("model")
-    }
-    if len(models) > 1:
-        names = sorted(
-            {
-                str(j.config["model"].get("_target_", "?")).rsplit(".", 1)[-1]
-                for j in jobs
-                if j.config.get("model")
-            }
-        )
-        raise UserError(
-            f"compare: {sweep_dir} mixes runs of different models ({', '.join(names)} or different "
-            "sizes); compare one model at a time"
-        )
+    identify(jobs)
     return jobs
 
 
@@ -120,91 +181,108 @@ def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
     )
 
 
-def _label(job: Job, keys: set[str]) -> str:
-    """Its group's name: the precision and the values of `keys` it overrides ("bf16 lr=1e-3")."""
-    values = [
-        f"{k.rsplit('.', 1)[-1]}={v}"
-        for k, _, v in (o.partition("=") for o in job.context)
-        if k in keys
-    ]
-    return " ".join([job.precision, *values])
+def _completed(row: Group) -> bool:
+    return any(j.summary.get("status") == "completed" for j in row.jobs)
+
+
+def baseline(row: Group, peers: list[Group]) -> Group | None:
+    """What `row` is compared with, among the completed rows of its setting: the fp32 row that
+    shares the most of its precision.* values (fp32 init_scale=1 for fp16 init_scale=1), or where
+    the setting has no fp32, its first row (the report says so); None for a row alone."""
+    peers = [p for p in peers if _completed(p)]
+    fp32 = [p for p in peers if p.precision == "fp32"]
+    if fp32:
+        return max(fp32, key=lambda p: len(set(p.identity) & set(row.identity)))
+    return peers[0] if len(peers) > 1 else None
+
+
+def group(jobs: list[Job]) -> list[Group]:
+    """The rows of a sweep: jobs that differ only by their seed, each with its baseline."""
+    groups: dict[tuple, Group] = {}
+    for job in jobs:
+        groups.setdefault((job.precision, job.identity), Group([], job.label)).jobs.append(job)
+    rows = list(groups.values())
+    for g in rows:
+        g.base = baseline(g, [r for r in rows if r.setting == g.setting])
+    return rows
+
+
+def _job_figures(job: Job, base: Job | None) -> None:
+    """A job's own figures and health, and those paired with its baseline's job of the same
+    seed (speedup, memory saving, loss-curve gaps)."""
+    s = job.summary
+    steps = s.get("steps") or len(job.rows)
+    final_loss = as_float(s.get("final_loss"))
+    skipped = s.get("skipped_steps") or 0
+    f = job.figures = {
+        "samples_per_s": as_float(s.get("samples_per_s")),
+        "samples_per_s_iqr": as_float(s.get("samples_per_s_iqr")),
+        "step_time_s": as_float(s.get("step_time_s")),
+        "flops_per_step": as_float(s.get("flops_per_step")),
+        "peak_tflops": as_float(s.get("peak_tflops")),
+        "peak_memory_mb": as_float(s.get("peak_memory_mb")),
+        "memory_mb": memory_figure(s)[0],
+        "final_loss": final_loss,
+        "eval_loss": as_float(s.get("eval_loss")),
+        "skipped_steps": skipped,
+        "steps": steps,
+        "final_loss_scale": as_float(s.get("final_loss_scale")),
+        "mfu": as_float(s.get("mfu")),
+        "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
+    }
+    f |= dict.fromkeys(("speedup", "memory_saving", "max_loss_gap", "final_loss_gap"), math.nan)
+    if base is not None and base is not job:
+        b = base.summary
+        f["speedup"] = f["samples_per_s"] / as_float(b.get("samples_per_s"))
+        f["memory_saving"] = 1 - f["memory_mb"] / memory_figure(b)[0]
+        window = max(1, min(len(job.rows), len(base.rows)) // 10)
+        ours, theirs = _smoothed(job.rows, window), _smoothed(base.rows, window)
+        gaps = [
+            abs(ours[k] - theirs[k]) / abs(theirs[k])
+            for k in ours.keys() & theirs.keys()
+            if theirs[k]
+        ]
+        f["max_loss_gap"] = max(gaps) if gaps else math.nan
+        last = max(ours.keys() & theirs.keys(), default=None)
+        if last is not None and theirs[last]:
+            f["final_loss_gap"] = (ours[last] - theirs[last]) / abs(theirs[last])
+    elif base is job:
+        f |= {"speedup": 1.0, "memory_saving": 0.0, "max_loss_gap": 0.0, "final_loss_gap": 0.0}
+    if s.get("status") != "completed":
+        f["health"] = "failed"
+        job.verdict = f"failed: {s.get('error', s.get('status'))}"
+    elif not math.isfinite(final_loss) or any(
+        not math.isfinite(as_float(r.get("loss"))) for r in job.rows
+    ):
+        f["health"] = "diverged"
+        job.verdict = "diverged: the loss became inf/NaN — not recommended"
+    elif steps and skipped / steps > MAX_SKIPPED_SHARE:
+        # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
+        f["health"] = "overflow" if job.precision in LOSS_SCALED_MODES else "diverged"
+        what = "overflowed" if job.precision in LOSS_SCALED_MODES else "diverged"
+        job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
+    else:
+        f["health"] = "ok"
 
 
 def analyse(
-    jobs: list[Job], tolerance: float = TOLERANCE, timings: dict | None = None
+    groups: list[Group], tolerance: float = TOLERANCE, timings: dict | None = None
 ) -> list[Group]:
-    """Fill each job's figures (vs the fp32 job of the same context) and health; return the
-    groups of jobs that differ only by their seed, with their figures and verdicts (a loss
-    within `tolerance` of fp32's is the same convergence where seed noise is untested; the
-    speed from `timings` where given, see runner/interleave.py)."""
-    baselines = {
-        j.context: j
-        for j in jobs
-        if j.precision == "fp32" and j.summary.get("status") == "completed"
-    }
-    values: dict[str, set[str]] = {}
-    for job in jobs:
-        for key, _, value in (o.partition("=") for o in job.context):
-            values.setdefault(key, set()).add(value)
-    varying = {key for key, seen in values.items() if len(seen) > 1 and key != "seed"}
-    groups: dict[tuple, Group] = {}
-    for job in jobs:
-        s = job.summary
-        key = (job.precision, job.setting)
-        groups.setdefault(key, Group([], _label(job, varying))).jobs.append(job)
-        steps = s.get("steps") or len(job.rows)
-        final_loss = as_float(s.get("final_loss"))
-        skipped = s.get("skipped_steps") or 0
-        f = job.figures = {
-            "samples_per_s": as_float(s.get("samples_per_s")),
-            "samples_per_s_iqr": as_float(s.get("samples_per_s_iqr")),
-            "step_time_s": as_float(s.get("step_time_s")),
-            "flops_per_step": as_float(s.get("flops_per_step")),
-            "peak_tflops": as_float(s.get("peak_tflops")),
-            "peak_memory_mb": as_float(s.get("peak_memory_mb")),
-            "memory_mb": memory_figure(s)[0],
-            "final_loss": final_loss,
-            "eval_loss": as_float(s.get("eval_loss")),
-            "skipped_steps": skipped,
-            "steps": steps,
-            "final_loss_scale": as_float(s.get("final_loss_scale")),
-            "mfu": as_float(s.get("mfu")),
-            "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
-        }
-        base = baselines.get(job.context)
-        if base is not None:
-            b = base.summary
-            f["speedup"] = f["samples_per_s"] / as_float(b.get("samples_per_s"))
-            f["memory_saving"] = 1 - f["memory_mb"] / memory_figure(b)[0]
-            window = max(1, min(len(job.rows), len(base.rows)) // 10)
-            ours, theirs = _smoothed(job.rows, window), _smoothed(base.rows, window)
-            gaps = [
-                abs(ours[k] - theirs[k]) / abs(theirs[k])
-                for k in ours.keys() & theirs.keys()
-                if theirs[k]
-            ]
-            f["max_loss_gap"] = max(gaps) if gaps else math.nan
-            last = max(ours.keys() & theirs.keys(), default=None)
-            f["final_loss_gap"] = (
-                (ours[last] - theirs[last]) / abs(theirs[last]) if last else math.nan
+    """Fill each job's figures (against its row's baseline job of the same seed) and health,
+    then each row's figures and verdict (runner/seeds.py: a loss within `tolerance` of the
+    baseline's is the same convergence; the speed from `timings` where given, by row identity,
+    see runner/interleave.py)."""
+    for g in groups:
+        for job in g.jobs:
+            seed = job.config.get("seed")
+            twins = (
+                j
+                for j in (g.base.jobs if g.base else [])
+                if j.config.get("seed") == seed and j.summary.get("status") == "completed"
             )
-        if s.get("status") != "completed":
-            f["health"] = "failed"
-            job.verdict = f"failed: {s.get('error', s.get('status'))}"
-        elif not math.isfinite(final_loss) or any(
-            not math.isfinite(as_float(r.get("loss"))) for r in job.rows
-        ):
-            f["health"] = "diverged"
-            job.verdict = "diverged: the loss became inf/NaN — not recommended"
-        elif steps and skipped / steps > MAX_SKIPPED_SHARE:
-            # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
-            f["health"] = "overflow" if job.precision in LOSS_SCALED_MODES else "diverged"
-            what = "overflowed" if job.precision in LOSS_SCALED_MODES else "diverged"
-            job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
-        else:
-            f["health"] = "ok"
-    judge(list(groups.values()), tolerance, timings)
-    return list(groups.values())
+            _job_figures(job, job if g.base is g else next(twins, None))
+    judge(groups, tolerance, timings)
+    return groups
 
 
 def _settings(jobs: list[Job]) -> RunnerConfig:
@@ -223,12 +301,13 @@ def compare(
     or interleaved; None: as the sweep's runner.speed says."""
     jobs = load_sweep(sweep_dir)
     settings = _settings(jobs)
+    groups = group(jobs)
     timings = None
     if (speed or settings.speed) == "interleaved":
         from runner.interleave import time_sweep  # torch: only when it times
 
-        timings = time_sweep(jobs, settings)
-    groups = analyse(jobs, tolerance, timings)
+        timings = time_sweep(groups, settings)
+    analyse(groups, tolerance, timings)
     paths = report.write(groups, sweep_dir)
     report.show(groups, sweep_dir, paths)
     if wandb_log:

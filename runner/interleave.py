@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -29,6 +29,7 @@ from runner.errors import first_line
 from runner.optim import build_optimizers
 from runner.precision import Precision
 from runner.run import build, resolve_device, seed_everything
+from runner.seeds import median_ratio
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog
@@ -36,6 +37,7 @@ from runner.trainer import Trainer
 
 if TYPE_CHECKING:
     from runner.compare import Job
+    from runner.seeds import Group
 
 WARMUP_STEPS = 2  # untimed steps before each timing: the data loader starting, caches warming
 
@@ -128,11 +130,6 @@ def alternate(
     return results
 
 
-def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """The median of the per-round ratios a/b."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
 def time_configs(
     configs: dict[K, DictConfig], rounds: int, steps: int, warmup: int = WARMUP_STEPS
 ) -> dict[K, dict]:
@@ -163,34 +160,77 @@ def time_configs(
     return figures
 
 
-def time_sweep(jobs: list[Job], settings: RunnerConfig) -> dict[tuple, dict]:
-    """A sweep's comparison groups timed again (runner.speed=interleaved): each setting's
-    precisions, from the first completed job of each, by `time_configs`; the figures by
-    (precision, setting). A setting without fp32 and another precision, run on several ranks
-    (the timing is one process), or whose timing fails keeps its jobs' own figures."""
-    chosen: dict[tuple, dict[str, Job]] = {}
-    for job in jobs:
-        if job.summary.get("status") == "completed" and job.config:
-            chosen.setdefault(job.setting, {}).setdefault(job.precision, job)
+def _stages(cfg: DictConfig, steps: int) -> list[tuple[DictConfig, int]]:
+    """(config, steps) per stage a job ran: a staged job's stages as plain modes, with the
+    optimizer steps each covered (stage i runs the steps before its until_step), else the job."""
+    if cfg.precision.mode != "staged":
+        return [(cfg, steps)]
+    parts, start = [], 0
+    for stage in cfg.precision.stages:
+        until = stage.get("until_step")
+        end = steps if until is None else min(until, steps)
+        if end > start:
+            plain = OmegaConf.merge(cfg, {"precision": {"mode": stage.mode, "stages": []}})
+            parts.append((plain, end - start))
+        start = max(start, end)
+    return parts
+
+
+def _by_steps(parts: list[tuple[dict, int]]) -> dict:
+    """A staged row's figures from its stages' (figures, steps): each round's rate the samples
+    over the time its stages take for their shares of the steps."""
+    total = sum(n for _, n in parts)
+    rates = [
+        1 / sum(n / total / f["samples_per_s_rounds"][r] for f, n in parts)
+        for r in range(len(parts[0][0]["samples_per_s_rounds"]))
+    ]
+    return {
+        "samples_per_s": statistics.median(rates),
+        "samples_per_s_iqr": float(np.subtract(*np.percentile(rates, [75, 25]))),
+        "samples_per_s_rounds": rates,
+        "step_time_s": sum(n / total * f["step_time_s"] for f, n in parts),
+        "peak_memory_mb": max(f["peak_memory_mb"] for f, _ in parts),
+    }
+
+
+def time_sweep(groups: list[Group], settings: RunnerConfig) -> dict[tuple, dict]:
+    """A sweep's rows timed again (runner.speed=interleaved): each setting's rows, baselines
+    first, from the first completed job of each, by `time_configs`; the figures by row key. A
+    staged row is timed stage by stage (each stage's mode from its own first step), its figures
+    weighted by the steps each stage ran. A setting of one row, run on several ranks (the timing
+    is one process), or whose timing fails keeps its jobs' own figures."""
+    chosen: dict[tuple, list[tuple[Group, Job]]] = {}
+    for g in groups:
+        job = next((j for j in g.jobs if j.summary.get("status") == "completed" and j.config), None)
+        if job is not None:
+            chosen.setdefault(g.setting, []).append((g, job))
     timings = {}
     shared = set.intersection(*(set(setting) for setting in chosen)) if chosen else set()
-    for setting, by_precision in chosen.items():
-        if "fp32" not in by_precision or len(by_precision) < 2:
+    for setting, rows in chosen.items():
+        if len(rows) < 2:
             continue
-        order = sorted(by_precision, key=lambda p: p != "fp32")  # fp32 first: the speedups' base
-        where = " ".join(o for o in setting if o not in shared) or "the sweep"
-        if any((by_precision[p].summary.get("world_size") or 1) > 1 for p in order):
+        rows.sort(key=lambda row: row[0] is not row[0].base)  # a baseline's rounds come first
+        where = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting if (k, v) not in shared)
+        where = where or "the sweep"
+        if any((job.summary.get("world_size") or 1) > 1 for _, job in rows):
             console.say(
                 f"[yellow]warning:[/] {where} ran on several ranks: the jobs' speed is used"
             )
             continue
+        configs, steps = {}, {}
+        for g, job in rows:
+            cfg = OmegaConf.load(job.folder / ".hydra" / "config.yaml")
+            ran = job.summary.get("steps") or cfg.trainer.max_steps
+            for i, (part, n) in enumerate(_stages(cfg, ran)):
+                configs[g.key, i], steps[g.key, i] = part, n
+        names = ", ".join(
+            g.label + (" (stage by stage)" if job.config["precision"]["mode"] == "staged" else "")
+            for g, job in rows
+        )
         console.say(
-            f"timing {', '.join(order)} again ({where}): {settings.speed_rounds} interleaved "
+            f"timing {names} again ({where}): {settings.speed_rounds} interleaved "
             f"rounds of {settings.speed_steps} steps"
         )
-        configs = {
-            p: OmegaConf.load(by_precision[p].folder / ".hydra" / "config.yaml") for p in order
-        }
         try:
             figures = time_configs(configs, settings.speed_rounds, settings.speed_steps)
         except Exception as e:  # the comparison still stands on the jobs' own figures
@@ -199,5 +239,7 @@ def time_sweep(jobs: list[Job], settings: RunnerConfig) -> dict[tuple, dict]:
                 "the jobs' speed is used"
             )
             continue
-        timings |= {(p, setting): figures[p] for p in order}
+        for g, _ in rows:
+            parts = [(figures[k], steps[k]) for k in configs if k[0] == g.key]
+            timings[g.key] = parts[0][0] if len(parts) == 1 else _by_steps(parts)
     return timings

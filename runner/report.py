@@ -38,7 +38,7 @@ COLUMNS = [
     ("seeds", "seeds", "{}"),
     ("final loss", "final_loss", "{:.4f}"),
     ("eval loss", "eval_loss", "{:.4f}"),
-    ("gap (spreads)", "gap_in_spreads", "{:+.1f}"),
+    ("loss gap [95% CI]", "loss_gap", "{:+.1%}"),
     ("diverged", "divergence_rate", "{:.0%}"),
     ("max loss gap", "max_loss_gap", "{:.1%}"),
     ("skipped", "skipped_steps", "{}"),
@@ -58,7 +58,9 @@ def _cell(group: Group, key: str, fmt: str) -> str:
     if not _known(value):
         return "—"
     std = group.figures.get(f"{key}_std")  # the losses over several seeds: mean ± std
-    return fmt.format(value) + (f" ± {fmt.format(std)}" if _known(std) else "")
+    low, high = (group.figures.get(f"{key}_ci_{end}") for end in ("low", "high"))
+    interval = f" [{fmt.format(low)}, {fmt.format(high)}]" if _known(low) else ""
+    return fmt.format(value) + (f" ± {fmt.format(std)}" if _known(std) else "") + interval
 
 
 def _notes(groups: list[Group]) -> list[str]:
@@ -136,11 +138,10 @@ def _losses(ax, groups: list[Group]) -> None:
 
 
 def _gaps(ax, groups: list[Group]) -> None:
-    """Each group's mean loss relative to its fp32 group's, step by step, both smoothed over a
+    """Each group's mean loss relative to its baseline's, step by step, both smoothed over a
     tenth of the steps."""
-    bases = {g.setting: g for g in groups if g.precision == "fp32"}
     for i, group in enumerate(groups):
-        base = bases.get(group.setting)
+        base = group.base
         if base is None or base is group:
             continue
         (steps, mean, _, _), (base_steps, base_mean, _, _) = _curve(group), _curve(base)
@@ -150,7 +151,9 @@ def _gaps(ax, groups: list[Group]) -> None:
         gap = [100 * (ours[k] - theirs[k]) / abs(theirs[k]) for k in shared]
         ax.plot(shared, gap, label=group.label, linewidth=1.2, color=f"C{i}")
     ax.axhline(0, color="grey", linewidth=0.8)
-    ax.set(xlabel="optimizer step", ylabel="loss vs fp32 (%)", title="loss gap to fp32 (smoothed)")
+    ax.set(
+        xlabel="optimizer step", ylabel="loss vs baseline (%)", title="loss gap to fp32 (smoothed)"
+    )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
 

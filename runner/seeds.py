@@ -1,71 +1,86 @@
-"""A sweep's jobs grouped by everything but the seed, and each group's verdict against fp32.
+"""A sweep's jobs grouped by everything but the seed, and each group's verdict against its
+baseline (the fp32 row of its setting; runner/compare.py chooses it).
 
 Per group (a precision in one setting): its figures over seeds (the losses' mean ± std, a typical
 seed's median for the rest), its divergence rate (the share of seeds that failed, diverged or
-overflowed), and its loss gap to fp32 in units of the seed-to-seed spread:
+overflowed), and its loss against the baseline's, on the eval loss where every good seed of both
+has one, else the final training loss:
 
-    gap_in_spreads = (mean - fp32's mean) / spread,
-    spread = sqrt(((n1 - 1) s1² + (n2 - 1) s2²) / (n1 + n2 - 2)),
+- with 2+ good seeds on each side, the difference of the means relative to the baseline's mean
+  (`loss_gap`) and its 95% confidence interval by Welch's t (`loss_gap_ci_low/high`). A mode is
+  worse where the interval excludes 0 and the gap exceeds the tolerance; within seed noise where
+  the interval holds 0 and the gap is within the tolerance; untested where the interval holds 0
+  but the gap exceeds the tolerance (more seeds would tell). `gap_in_spreads` is the gap in
+  units of the pooled seed-to-seed spread (at least SPREAD_FLOOR of the loss).
+- with one seed, the relative gap of the eval loss where both have one, else of the smoothed
+  final training loss; untested against seed noise, and worse beyond the tolerance.
+A gap that cannot be computed (no curve, no eval) is untested and never recommended.
 
-the pooled standard deviation of the two groups' losses over their good seeds (n seeds, sample
-std s): the eval loss where every one of those seeds has one, else the final training loss. It
-is positive where the loss is higher than fp32's and needs two good seeds on each side; with
-fewer it is untested. The spread is at least SPREAD_FLOOR of the loss, so that seeds that agree
-exactly (std 0) give 0 where the means agree and a very large gap where they do not.
-
-A speed is measurably different from fp32's only where the two differ by more than their
-interquartile ranges added; inside that, a mode is never recommended. The speed comes from each
-job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved, from the
-precisions timed again side by side in one process (runner/interleave.py; "interleaved": medians
-and IQR over rounds, the speedup the median of per-round ratios to fp32).
+A speed is measurably different from the baseline's only where the two differ by more than their
+interquartile ranges added; inside that, a mode is never recommended, and a speed whose spread
+was not measured (under two steady logging intervals) is untested, never "faster". The speed
+comes from each job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved,
+from the rows timed again side by side in one process (runner/interleave.py; "interleaved":
+medians and IQR over rounds, the speedup the median of per-round ratios to the baseline).
 
 A step too small to show a precision effect is never recommended on its speed either. A
-precision speeds up the matmuls and convolutions only, so the share of fp32's step they take
-bounds what any mode can gain (Amdahl); where fp32's audited FLOPs would take under
-MIN_MATMUL_SHARE of its measured step time at the device's fp32 matmul peak (its MFU), most of
-the step is something no precision speeds up, and every mode of that setting is too small to tell.
+precision speeds up the matmuls and convolutions only, so the share of the baseline's step they
+take bounds what any mode can gain (Amdahl); where its audited FLOPs would take under
+MIN_MATMUL_SHARE of its measured step time at the device's matmul peak (its MFU), most of the
+step is something no precision speeds up, and every mode of that setting is too small to tell.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runner.compare import Job
 
-SEED_NOISE_SPREADS = 2.0  # a mean loss this many spreads above fp32's is beyond seed noise
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
+CONFIDENCE = 0.95  # of the interval for the difference of mean losses over seeds
 UNSTABLE = ("failed", "diverged", "overflow")  # job health that counts toward divergence_rate
 PAIRED = ("speedup", "memory_saving", "max_loss_gap", "final_loss_gap", "health")
 SPEED = ("samples_per_s", "samples_per_s_iqr", "samples_per_s_rounds", "step_time_s")
-# The least share of fp32's step its FLOPs take at the device's fp32 matmul peak (flops_per_step
-# over step_time_s, over peak_tflops: its MFU) for a speed to tell anything about precision. Small
-# matmuls reach a tenth of the peak or so; under 5% at the peak, then, the matmuls and
-# convolutions take under half the step even so, and the rest (kernel launches, Python,
-# elementwise ops, the optimizer, data) runs the same in every precision.
+# The least share of the baseline's step its FLOPs take at the device's matmul peak
+# (flops_per_step over step_time_s, over peak_tflops: its MFU) for a speed to tell anything about
+# precision. Small matmuls reach a tenth of the peak or so; under 5% at the peak, then, the
+# matmuls and convolutions take under half the step even so, and the rest (kernel launches,
+# Python, elementwise ops, the optimizer, data) runs the same in every precision.
 MIN_MATMUL_SHARE = 0.05
 
 
 @dataclass(eq=False)
 class Group:
-    """The jobs of one precision and setting, one per seed (one job where no seed is swept)."""
+    """The jobs of one row (a precision and everything else it ran), one per seed."""
 
     jobs: list[Job]
     label: str
     verdict: str = ""
     figures: dict = field(default_factory=dict)
+    base: Group | None = None  # what it is compared with (runner/compare.py's `baseline`)
 
     @property
     def precision(self) -> str:
         return self.jobs[0].precision
 
     @property
+    def identity(self) -> tuple:
+        return self.jobs[0].identity
+
+    @property
     def setting(self) -> tuple:
         return self.jobs[0].setting
+
+    @property
+    def key(self) -> tuple:
+        """The row's identity, as the interleaved timings are keyed."""
+        return (self.precision, self.identity)
 
     @property
     def status(self) -> str:
@@ -97,10 +112,48 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of the per-round ratios a/b."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def _mean_std(values) -> tuple[float, float]:
     values = _finite(values)
     mean = statistics.fmean(values) if values else math.nan
     return mean, statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t distribution's quantile at `p` (> 0.5) for `df` degrees of freedom (any real
+    df ≥ 1): bisection on its CDF, the density integrated by Simpson's rule."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 512) -> float:
+        h = x / n
+        weights = (1 if i in (0, n) else 4 if i % 2 else 2 for i in range(n + 1))
+        total = sum(w * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i, w in enumerate(weights))
+        return 0.5 + c * total * h / 3
+
+    low, high = 0.0, 64.0  # t(0.975, df=1) is 12.7
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def welch(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """The difference of the means and its CONFIDENCE interval (Welch's t: unequal variances),
+    all relative to |theirs' mean|: (gap, low, high). Seeds that agree exactly give a point."""
+    m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
+    v1, v2 = statistics.variance(ours) / len(ours), statistics.variance(theirs) / len(theirs)
+    se = math.sqrt(v1 + v2)
+    if se == 0:
+        half = 0.0
+    else:
+        df = (v1 + v2) ** 2 / (v1**2 / (len(ours) - 1) + v2**2 / (len(theirs) - 1))
+        half = t_quantile(0.5 + CONFIDENCE / 2, df) * se
+    scale = abs(m2) or 1.0
+    return (m1 - m2) / scale, (m1 - m2 - half) / scale, (m1 - m2 + half) / scale
 
 
 def memory_figure(summary: dict) -> tuple[float, str]:
@@ -132,14 +185,20 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
         "eval_loss_mean": f["eval_loss"],
         "seeds": len(g.jobs),
         "divergence_rate": len(g.unstable) / len(g.jobs),
-        # Against the fp32 job of the same seed: the worst seed's curve gap, a typical final gap.
+        # Against the baseline's job of the same seed: the worst seed's curve gap, a typical
+        # final gap.
         "max_loss_gap": max(_finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
         "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
     }
 
 
+def _name(base: Group) -> str:
+    """How a verdict names its baseline: fp32, or the row it is compared with instead."""
+    return "fp32" if base.precision == "fp32" else base.label
+
+
 def _too_small(base: Group) -> tuple[bool | None, str | None]:
-    """(too_small_to_tell, the note) for the modes of fp32 group `base`'s setting; None where
+    """(too_small_to_tell, the note) for the modes of baseline `base`'s setting; None where
     its FLOPs, step time or peak are unknown."""
     b = base.figures
     if not math.isfinite(b["mfu"]):
@@ -149,39 +208,48 @@ def _too_small(base: Group) -> tuple[bool | None, str | None]:
     return True, (
         f"{base.label}: a step too small to tell the precisions apart by speed — its "
         f"{b['flops_per_step']:.3g} FLOPs would take {b['mfu']:.2%} of its "
-        f"{b['step_time_s'] * 1e3:.3g} ms step at the device's fp32 matmul peak "
+        f"{b['step_time_s'] * 1e3:.3g} ms step at the device's {base.precision} matmul peak "
         f"({b['peak_tflops']:.3g} TFLOP/s), and a precision speeds up only that part (under "
         f"{MIN_MATMUL_SHARE:.0%}, the rest dominates: launches, elementwise ops, the optimizer, "
         "data); time a larger model or batch"
     )
 
 
-def _gap(g: Group, base: Group) -> tuple[float, str]:
-    """(gap_in_spreads, the loss it compares): NaN where either side has under 2 good seeds."""
+def _gap(g: Group, base: Group) -> dict:
+    """The loss comparison's figures: the metric compared (eval loss where every good seed of
+    both has one), gap_in_spreads and the Welch interval (NaN under 2 good seeds a side), and
+    for one seed the plain relative gap of that metric."""
     both = g.counted + base.counted
     metric = (
         "eval_loss" if all(math.isfinite(j.figures["eval_loss"]) for j in both) else "final_loss"
     )
     ours, theirs = (_finite(j.figures[metric] for j in x.counted) for x in (g, base))
-    if min(len(ours), len(theirs)) < 2:
-        return math.nan, metric
-    n1, n2 = len(ours), len(theirs)
-    variance = ((n1 - 1) * statistics.variance(ours) + (n2 - 1) * statistics.variance(theirs)) / (
-        n1 + n2 - 2
-    )
-    m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
-    spread = max(math.sqrt(variance), SPREAD_FLOOR * max(abs(m1), abs(m2)))
-    return ((m1 - m2) / spread if spread else 0.0), metric
+    out = {"gap_metric": metric, "gap_in_spreads": math.nan}
+    out |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
+    if min(len(ours), len(theirs)) >= 2:
+        n1, n2 = len(ours), len(theirs)
+        variance = (
+            (n1 - 1) * statistics.variance(ours) + (n2 - 1) * statistics.variance(theirs)
+        ) / (n1 + n2 - 2)
+        m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
+        spread = max(math.sqrt(variance), SPREAD_FLOOR * max(abs(m1), abs(m2)))
+        out["gap_in_spreads"] = (m1 - m2) / spread if spread else 0.0
+        out["loss_gap"], out["loss_gap_ci_low"], out["loss_gap_ci_high"] = welch(ours, theirs)
+    elif metric == "eval_loss" and ours and theirs and statistics.fmean(theirs):
+        m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
+        out["loss_gap"] = (m1 - m2) / abs(m2)  # one seed: its eval loss decides
+    else:
+        out["loss_gap"] = g.figures["final_loss_gap"]  # the smoothed training loss
+    return out
 
 
-def _untested(g: Group) -> str:
-    few = "one seed" if len(g.jobs) == 1 else "under 2 good seeds here or in fp32"
-    return f"{few}: untested against seed noise"
+def _ci(f: dict) -> str:
+    return f"95% CI {f['loss_gap_ci_low']:+.2%} to {f['loss_gap_ci_high']:+.2%}, {f['seeds']} seeds"
 
 
-def _problem(g: Group, base: Group | None, tolerance: float) -> str:
+def _problem(g: Group, tolerance: float) -> str:
     """Why the group cannot be recommended ("" where nothing is wrong); sets its health."""
-    f, bad = g.figures, g.unstable
+    f, bad, base = g.figures, g.unstable, g.base
     f["health"] = bad[0].figures["health"] if bad else "ok"
     if bad:
         if len(g.jobs) == 1:
@@ -193,96 +261,128 @@ def _problem(g: Group, base: Group | None, tolerance: float) -> str:
         )
     if base is None or g is base:
         return ""
-    gap, metric = f["gap_in_spreads"], f["gap_metric"]
-    if math.isfinite(gap) and gap > SEED_NOISE_SPREADS:
+    gap, metric, name = f["loss_gap"], f["gap_metric"].replace("_", " "), _name(base)
+    if not math.isfinite(gap):
+        return f"{metric} untested: no loss to compare with {name}'s — not recommended"
+    if math.isfinite(f["loss_gap_ci_low"]):  # 2+ seeds a side
+        if f["loss_gap_ci_low"] > 0 and gap > tolerance:
+            f["health"] = "worse"
+            return (
+                f"worse than {name} beyond seed noise: {metric} {gap:+.2%} ({_ci(f)}) — "
+                "not recommended"
+            )
+        if f["loss_gap_ci_low"] <= 0 and gap > tolerance:
+            return (
+                f"{metric} {gap:+.2%} vs {name}, inside seed noise ({_ci(f)}): untested — "
+                "more seeds would tell"
+            )
+        return ""
+    if gap > tolerance:
         f["health"] = "worse"
-        change = f[metric] / base.figures[metric] - 1
-        return (
-            f"worse than fp32 beyond seed noise: {metric.replace('_', ' ')} {change:+.1%} "
-            f"({gap:+.1f} spreads, {f['seeds']} seeds) — not recommended"
-        )
-    if not math.isfinite(gap) and f["final_loss_gap"] > tolerance:
-        f["health"] = "worse"
-        return f"loss {f['final_loss_gap']:+.1%} vs fp32 ({_untested(g)}) — not recommended"
+        return f"{metric} {gap:+.2%} vs {name} ({_untested(g)}) — not recommended"
     return ""
 
 
+def _untested(g: Group) -> str:
+    few = "one seed" if len(g.jobs) == 1 else "under 2 good seeds here or in the baseline"
+    return f"{few}: untested against seed noise"
+
+
 def _inside_spread(g: Group, base: Group) -> bool | None:
-    """Whether its speed and fp32's differ by no more than their interquartile ranges added
-    (None where a range is unmeasured: under two timing intervals)."""
+    """Whether its speed and the baseline's differ by no more than their interquartile ranges
+    added (None where a range is unmeasured: under two steady timing intervals)."""
     a, b = g.figures, base.figures
     spread = a["samples_per_s_iqr"] + b["samples_per_s_iqr"]
     return abs(a["samples_per_s"] - b["samples_per_s"]) <= spread if math.isfinite(spread) else None
 
 
-def _loss_words(g: Group) -> str:
-    f = g.figures
-    gap, metric = f["gap_in_spreads"], f["gap_metric"].replace("_", " ")
-    if not math.isfinite(gap):
-        return f"loss within {abs(f['final_loss_gap']):.1%} of fp32 ({_untested(g)})"
-    where = "below fp32's beyond" if gap < -SEED_NOISE_SPREADS else "within"
-    return f"{metric} {where} seed noise of fp32 ({gap:+.1f} spreads, {f['seeds']} seeds)"
+def _loss_words(g: Group, tolerance: float) -> str:
+    f, name = g.figures, _name(g.base)
+    gap, metric = f["loss_gap"], f["gap_metric"].replace("_", " ")
+    if not math.isfinite(f["loss_gap_ci_low"]):
+        return f"{metric} within {abs(gap):.2%} of {name} ({_untested(g)})"
+    if f["loss_gap_ci_high"] < 0:
+        return f"{metric} below {name}'s beyond seed noise ({gap:+.2%}, {_ci(f)})"
+    if f["loss_gap_ci_low"] > 0:
+        return (
+            f"{metric} {gap:+.2%} vs {name}, beyond seed noise but within the "
+            f"{tolerance:.0%} tolerance ({_ci(f)})"
+        )
+    return f"{metric} within seed noise of {name} ({gap:+.2%}, {_ci(f)})"
 
 
-def _recommend(fit: list[Group], base: Group) -> None:
+def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
     """Verdicts of the groups fit for a recommendation: the fastest measurably faster one whose
-    step is large enough to tell wins."""
+    step is large enough to tell wins; a speed whose spread is unmeasured is untested."""
     inside = {g: _inside_spread(g, base) for g in fit}
     small = {g for g in fit if g is not base and g.figures["too_small_to_tell"]}
+    untimed = {g for g in fit if g is not base and inside[g] is None}
     fast = [
         g
         for g in fit
         if g is not base
         and g.figures["speedup"] >= MIN_SPEEDUP
-        and not inside[g]
+        and inside[g] is False
         and g not in small
     ]
     best = max(fast, key=lambda g: g.figures["speedup"], default=base)
     for g in fit:
         if g is base:
-            shown = "shown to be faster" if small else "faster"
+            shown = "shown to be faster" if small or untimed else "faster"
             g.verdict = "baseline" + (
                 f" — recommended: no mode is {shown} here" if best is base else ""
             )
             continue
         x, f = g.figures["speedup"], g.figures
         source = "interleaved timing" if f["speed_source"] == "interleaved" else "per-job timing"
-        speed = f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
+        speed = (
+            f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
+            if math.isfinite(x)
+            else f"speed unmeasured ({source})"
+        )
         if g in small:
             share = base.figures["mfu"]
-            tail = f"too small to tell: fp32's FLOPs are {share:.2%} of its step at peak"
+            tail = f"too small to tell: {_name(base)}'s FLOPs are {share:.2%} of its step at peak"
+        elif g in untimed:
+            tail = "speed untested: its spread was not measured (under two steady timing intervals)"
         elif inside[g]:
             tail, speed = "no measurable difference", f"{speed} within the speed spread"
         else:
             tail = "recommended" if g is best else ("no gain" if x < MIN_SPEEDUP else "ok")
-        g.verdict = f"{speed}, {_loss_words(g)} — {tail}"
+        g.verdict = f"{speed}, {_loss_words(g, tolerance)} — {tail}"
 
 
 def judge(groups: list[Group], tolerance: float, timings: dict | None = None) -> None:
-    """Each group's figures (against the fp32 group of its setting) and verdict; `timings`, by
-    (precision, setting): the speed of the groups timed interleaved (runner/interleave.py)."""
+    """Each group's figures (against its baseline, `g.base`) and verdict; `timings`, by the
+    row's key: the speed of the rows timed interleaved (runner/interleave.py)."""
     timings = timings or {}
-    baselines = {
-        g.setting: g
-        for g in groups
-        if g.precision == "fp32" and any(j.summary.get("status") == "completed" for j in g.jobs)
-    }
     for g in groups:
-        g.figures = _own_figures(g, timings.get((g.precision, g.setting)))
+        g.figures = _own_figures(g, timings.get(g.key))
     for g in groups:
-        base, f = baselines.get(g.setting), g.figures
+        base, f = g.base, g.figures
         f["too_small_to_tell"], f["note"] = _too_small(base) if base else (None, None)
+        f["baseline"] = base.label if base else None
         if base is not None:
             b = base.figures
-            timing = timings.get((g.precision, g.setting))  # fp32's came in the same rounds
-            f["speedup"] = timing["speedup"] if timing else f["samples_per_s"] / b["samples_per_s"]
+            ours, theirs = timings.get(g.key), timings.get(base.key)  # timed in the same rounds
+            f["speedup"] = (
+                median_ratio(ours["samples_per_s_rounds"], theirs["samples_per_s_rounds"])
+                if ours and theirs
+                else f["samples_per_s"] / b["samples_per_s"]
+            )
             f["memory_saving"] = 1 - f["memory_mb"] / b["memory_mb"]
-            f["gap_in_spreads"], f["gap_metric"] = _gap(g, base)
+            f |= _gap(g, base)
         else:  # the same keys in every row
             f |= dict.fromkeys(("speedup", "memory_saving", "gap_in_spreads"), math.nan)
+            f |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
             f["gap_metric"] = None
-        g.verdict = _problem(g, base, tolerance)
-    for setting, base in baselines.items():
-        _recommend([g for g in groups if g.setting == setting and not g.verdict], base)
+        g.verdict = _problem(g, tolerance)
+    for base in {g.base for g in groups if g.base is not None}:
+        _recommend([g for g in groups if g.base is base and not g.verdict], base, tolerance)
+        if base.precision != "fp32":
+            note = f"no fp32 run in this setting: its rows are compared with {base.label}"
+            for g in groups:
+                if g.base is base:
+                    g.figures["note"] = "; ".join(filter(None, [g.figures["note"], note]))
     for g in groups:
         g.verdict = g.verdict or "no fp32 run to compare with"

@@ -17,21 +17,22 @@ from tests.helpers import TINY_MLP, cli, make_cfg
 from tests.test_compare import fake_job
 
 
-def interleaved_timing(bf16: float, speedup: float) -> dict:
-    """What `interleave.time_configs` gives for fp32 at 100 samples/s and bf16 at `bf16` (IQR 4
-    over 3 rounds), the speedup the median of per-round ratios."""
+def interleaved_timing(configs: dict, bf16: float) -> dict:
+    """What `interleave.time_configs` gives for `configs` with fp32 at 100 samples/s and bf16 at
+    `bf16` (IQR 4 over 3 rounds), by the configs' keys."""
 
-    def figures(speed: float, ratio: float) -> dict:
+    def figures(speed: float) -> dict:
         rounds = [speed - 4, speed, speed + 4]
         return {
             "samples_per_s": speed,
             "samples_per_s_iqr": 4.0,
             "samples_per_s_rounds": rounds,
             "step_time_s": 64 / speed,
-            "speedup": ratio,
+            "peak_memory_mb": 1.0,
         }
 
-    return {"fp32": figures(100.0, 1.0), "bf16": figures(bf16, speedup)}
+    speeds = {"fp32": 100.0, "bf16": bf16}
+    return {key: figures(speeds[cfg.precision.mode]) for key, cfg in configs.items()}
 
 
 @pytest.mark.parametrize(
@@ -39,15 +40,15 @@ def interleaved_timing(bf16: float, speedup: float) -> dict:
     [
         (
             103.0,
-            1.04,
-            "1.04× faster (interleaved timing) within the speed spread, loss within 0.0% of fp32 "
-            "(one seed: untested against seed noise) — no measurable difference",
+            1.03,
+            "1.03× faster (interleaved timing) within the speed spread, eval loss within 0.00% of "
+            "fp32 (one seed: untested against seed noise) — no measurable difference",
         ),
         (
             130.0,
-            1.31,
-            "1.31× faster (interleaved timing), loss within 0.0% of fp32 (one seed: untested "
-            "against seed noise) — recommended",
+            1.30,
+            "1.30× faster (interleaved timing), eval loss within 0.00% of fp32 (one seed: "
+            "untested against seed noise) — recommended",
         ),
     ],
 )
@@ -63,7 +64,7 @@ def test_interleaved_figures_decide_and_the_verdict_says_so(
 
     def time_configs(configs, rounds, steps):
         asked.append(([c.precision.mode for c in configs.values()], rounds, steps))
-        return interleaved_timing(bf16, speedup)
+        return interleaved_timing(configs, bf16)
 
     monkeypatch.setattr(interleave, "time_configs", time_configs)
     fp32, group = compare(tmp_path, wandb_log=False)
@@ -72,7 +73,7 @@ def test_interleaved_figures_decide_and_the_verdict_says_so(
     assert row["speed_source"] == "interleaved" and row["samples_per_s"] == bf16
     assert row["samples_per_s_iqr"] == 4.0
     assert row["samples_per_s_rounds"] == [bf16 - 4, bf16, bf16 + 4]
-    assert row["speedup"] == speedup  # the median of per-round ratios, not bf16 / 100
+    assert row["speedup"] == pytest.approx(speedup)  # the median of per-round ratios
     assert group.verdict == verdict
     faster = bf16 > 104  # beyond the two IQRs added
     assert fp32.verdict == "baseline" + ("" if faster else " — recommended: no mode is faster here")
@@ -80,6 +81,34 @@ def test_interleaved_figures_decide_and_the_verdict_says_so(
     row = json.loads((tmp_path / "compare.json").read_text())[1]
     assert row["speed_source"] == "jobs" and row["samples_per_s_rounds"] is None
     assert row["verdict"].startswith("1.50× faster (per-job timing), ")
+
+
+def test_interleaved_timing_times_every_row_and_staged_stage_by_stage(tmp_path, monkeypatch):
+    """Rows that differ in a precision.* key are each timed (not the first per precision), and
+    a staged row (fp32 for 5 of its 20 steps, then bf16) is timed stage by stage, its speed
+    each round's samples over the time its stages take for their shares of the steps."""
+    runner = {"speed": "interleaved", "speed_rounds": 3, "speed_steps": 3}
+    stages = {"precision": {"stages": [{"mode": "fp32", "until_step": 5}, {"mode": "bf16"}]}}
+    fake_job(tmp_path / "0", "fp32", runner=runner)
+    for i, scale in enumerate((1.0, 2.0)):
+        grad_scaler = {"precision": {"grad_scaler": {"init_scale": scale}}}
+        fake_job(tmp_path / str(1 + i), "bf16", runner=runner, config=grad_scaler)
+    fake_job(tmp_path / "3", "staged", runner=runner, config=stages)
+    asked = []
+
+    def time_configs(configs, rounds, steps):
+        asked.append([c.precision.mode for c in configs.values()])
+        return interleaved_timing(configs, 150.0)
+
+    monkeypatch.setattr(interleave, "time_configs", time_configs)
+    fp32, bf16_a, bf16_b, staged = compare(tmp_path, wandb_log=False)
+    assert asked == [["fp32", "bf16", "bf16", "fp32", "bf16"]]
+    assert {g.figures["speed_source"] for g in (bf16_a, bf16_b, staged)} == {"interleaved"}
+    expected = [1 / (0.25 / (100 + d) + 0.75 / (150 + d)) for d in (-4, 0, 4)]
+    assert staged.figures["samples_per_s_rounds"] == pytest.approx(expected)
+    assert staged.figures["samples_per_s"] == pytest.approx(expected[1])
+    assert staged.figures["step_time_s"] == pytest.approx(0.25 * 0.64 + 0.75 * 64 / 150)
+    assert staged.figures["speedup"] == pytest.approx(expected[1] / 100)
 
 
 def test_an_interleaved_timing_that_fails_leaves_the_jobs_figures(tmp_path, monkeypatch, capsys):
@@ -109,7 +138,7 @@ def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert [r["too_small_to_tell"] for r in rows] == [small, small]
     assert rows[1]["mfu"] == pytest.approx(flops * 1.5 / 1e13)  # its own, under 5%: no matter
-    start = "1.50× faster (per-job timing), loss within 0.0% of fp32 (one seed: untested against "
+    start = "1.50× faster (per-job timing), eval loss within 0.00% of fp32 (one seed: untested against "
     notes = (tmp_path / "compare.md").read_text().partition("Notes:")[2]
     if small:
         tail = "too small to tell: fp32's FLOPs are 4.00% of its step at peak"
@@ -157,6 +186,7 @@ def test_runner_speed_interleaved_times_the_precisions_again_side_by_side(tmp_pa
         "precision=fp32,bf16",
         *TINY_MLP,
         "trainer.max_steps=4",
+        "trainer.benchmark.warmup_steps=1",  # a steady window: the jobs' own speed too
         "runner.speed=interleaved",
         "runner.speed_rounds=2",
         "runner.speed_steps=2",
