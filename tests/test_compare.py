@@ -357,6 +357,10 @@ def test_each_job_reports_the_spread_of_its_speed_over_the_steady_window(monkeyp
         now[0] += 2 * step_time
         meter.flush(0)
         meter.lap()
+        if step == 2:  # only the warm-up: no speed, rather than the warm-up's
+            speed = meter.speed()
+            assert speed["samples_per_s"] is None and speed["speed_intervals"] == 0
+            assert "no steady window" in speed["speed_note"]
         if step == 4:
             assert meter.speed()["samples_per_s_iqr"] is None  # one steady interval
     speed = meter.speed()
