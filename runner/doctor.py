@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from runner.flops import peak_tflops
+from runner.flops import cpu_matmul_tflops, peak_tflops
 from runner.precision import DeviceCaps
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
@@ -25,15 +25,16 @@ def report(device: torch.device, cache_dir: Path) -> Table:
     table = Table(title=f"{device}: {caps.name}", title_justify="left")
     for column in ("mode", "native", "why", "peak TFLOP/s"):
         table.add_column(column)
-    peaks = {}
+    rates = {}
     for mode in MODES:
         native, why = caps.support(mode)
-        peaks[mode] = peak = peak_tflops(caps, mode, cache_dir)
-        shown = (
-            "—" if peak is None else f"{peak:.2f}" + (" (measured)" if caps.type == "cpu" else "")
-        )
+        peak = peak_tflops(caps, mode, cache_dir)
+        rates[mode] = rate = cpu_matmul_tflops(caps, mode, cache_dir)
+        shown = "—" if peak is None else f"{peak:.2f}"
+        if rate is not None:  # a CPU's: measured, and for an emulated mode fp32's ceiling
+            shown += " (measured)" if rate == peak else f" (fp32's; its own matmuls: {rate:.3g})"
         table.add_row(mode, "yes" if native else "no (emulated)", why, shown)
-    slower = [m for m in ("fp16", "bf16") if caps.type == "cpu" and peaks[m] < peaks["fp32"]]
+    slower = [m for m in ("fp16", "bf16") if caps.type == "cpu" and rates[m] < rates["fp32"]]
     mode, why = caps.best_mode()
     table.caption = f"recommended: {mode} — {why}"
     if caps.type == "cuda":

@@ -1,5 +1,7 @@
 """FLOPs, MFU and the precision audit: what one training step computes, in which dtype each op
-really ran (after autocast's casts), and how that compares with the device's peak."""
+really ran (after autocast's casts), and how that compares with the device's peak. Model FLOPs
+are the step's arithmetic once (what MFU means in the literature); hardware FLOPs add what
+gradient checkpointing computes again in backward (HFU)."""
 
 from __future__ import annotations
 
@@ -55,29 +57,47 @@ _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 
+def recomputing() -> bool:
+    """Whether the op running now is a forward run again in backward (gradient checkpointing).
+    Autograd runs backward with grad mode off (no `create_graph` here); a checkpoint turns it on
+    to record the forward it recomputes, reentrant or not. (A double backward would count here
+    too; no task takes one.)"""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 class PrecisionAudit(TorchDispatchMode):
     """Records, for one training step, the FLOPs of every op by the dtype it really ran in (after
-    autocast's casts): the share done in low precision, and what stayed fp32."""
+    autocast's casts): the share done in low precision, and what stayed fp32. The forwards that
+    gradient checkpointing recomputes are counted apart: hardware FLOPs, not model FLOPs."""
 
     def __init__(self):
         super().__init__()
         self.flops: dict[tuple[str, torch.dtype], int] = defaultdict(int)
+        self.recomputed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
         if formula is not None:
-            dtype = next(
-                (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
-                None,
-            )
-            self.flops[(func._overloadpacket.__name__, dtype)] += int(
-                formula(*args, **kwargs, out_val=out)
-            )
+            count = int(formula(*args, **kwargs, out_val=out))
+            if recomputing():
+                self.recomputed += count
+            else:
+                dtype = next(
+                    (
+                        a.dtype
+                        for a in args
+                        if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    ),
+                    None,
+                )
+                self.flops[(func._overloadpacket.__name__, dtype)] += count
         return out
 
     def report(self) -> dict:
+        """Model FLOPs (`flops_per_step`, and by dtype), and hardware FLOPs: those plus the
+        recomputed forwards."""
         total = sum(self.flops.values())
         low = sum(f for (_, dtype), f in self.flops.items() if dtype in LOW_PRECISION)
         fp32_ops: dict[str, int] = defaultdict(int)
@@ -86,6 +106,7 @@ class PrecisionAudit(TorchDispatchMode):
                 fp32_ops[op] += f
         return {
             "flops_per_step": total,
+            "hardware_flops_per_step": total + self.recomputed,
             "low_precision_flop_share": low / total if total else None,
             "fp32_ops": dict(sorted(fp32_ops.items(), key=lambda item: -item[1])),
         }
@@ -130,12 +151,25 @@ def device_model(name: str) -> str | None:
 
 
 def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
-    """The device's peak for the mode: the datasheet table for a GPU model listed exactly (None for
-    any other GPU, or a mode it lacks); on a CPU a matmul ceiling measured once per (CPU, threads,
-    torch, dtype) and cached."""
+    """The device's peak for the mode, the highest rate its matmuls reach in that dtype: the
+    datasheet table for a GPU model listed exactly (None for any other GPU, or a mode it lacks);
+    on a CPU the measured matmul rate (`cpu_matmul_tflops`), and for bf16/fp16 at least fp32's.
+    Where a CPU emulates them, the kernels compute in fp32 (scalar fallbacks, or fp32's own
+    kernels under `precision.cpu_kernels`) and their own square-matmul rate is no ceiling: on
+    other layouts they run many times faster (transposed operands: 20 times here), never faster
+    than fp32's kernels."""
     if caps.type == "cuda":
         model = device_model(caps.name)
         return GPU_PEAK_TFLOPS[model].get(mode) if model else None
+    rate = cpu_matmul_tflops(caps, mode, cache_dir)
+    if rate is None or mode in ("fp32", "tf32"):
+        return rate
+    return max(rate, cpu_matmul_tflops(caps, "fp32", cache_dir))
+
+
+def cpu_matmul_tflops(caps, mode: str, cache_dir: Path) -> float | None:
+    """On a CPU, the rate of n×n matmuls in the mode's dtype, measured once per (CPU, threads,
+    torch, dtype) and cached with those conditions; None elsewhere and for fp8 (no CPU kernels)."""
     if caps.type != "cpu" or mode == "fp8":
         return None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
@@ -162,11 +196,11 @@ def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
 
 def emulation_slowdown(caps, mode: str, cache_dir: Path) -> float | None:
     """On a CPU that only emulates `mode`: how many times slower its matmuls run than fp32's
-    (the cached ceilings the MFU figures use, measured once per machine)."""
+    (the cached rates, measured once per machine)."""
     if caps.type != "cpu" or mode not in ("bf16", "fp16") or caps.support(mode)[0]:
         return None
-    low = peak_tflops(caps, mode, cache_dir)
-    return peak_tflops(caps, "fp32", cache_dir) / low if low else None
+    low = cpu_matmul_tflops(caps, mode, cache_dir)
+    return cpu_matmul_tflops(caps, "fp32", cache_dir) / low if low else None
 
 
 def _read_cache(path: Path) -> dict:
@@ -206,21 +240,42 @@ def _measure_matmul_tflops(
 
 
 def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
-    """Achieved TFLOP/s from the audited FLOPs per step and the median step time, and MFU; without
-    a peak for the device and mode, MFU is None and `peak_note` says why."""
+    """Achieved TFLOP/s (model FLOPs over the median step time); `mfu` (model FLOPs) and `hfu`
+    (hardware FLOPs: with the recomputed forwards) against the peak of `peak_mode`; fp8 runs also
+    get `mfu_vs_bf16_peak` and `mfu_vs_mode_peak`. Without a peak for the device and mode, or
+    where the step ran faster than the peak (`above_peak`: the peak is no ceiling), MFU and HFU
+    are None and `peak_note` says why."""
     flops, step_time = summary.get("flops_per_step"), summary.get("step_time_s")
     if not flops or not step_time:
-        return {"achieved_tflops": None, "mfu": None}
+        return {"achieved_tflops": None, "mfu": None, "hfu": None}
     achieved = flops / step_time / 1e12
+    hardware = (summary.get("hardware_flops_per_step") or flops) / step_time / 1e12
     peak = peak_tflops(caps, mode, cache_dir)
+    out = {"achieved_tflops": achieved, "peak_tflops": peak, "peak_mode": mode}
     if not peak:
-        return {
-            "achieved_tflops": achieved,
-            "peak_tflops": None,
+        out |= {"mfu": None, "hfu": None, "peak_note": _no_peak_note(caps, mode)}
+    elif hardware > peak:
+        out |= {
             "mfu": None,
-            "peak_note": _no_peak_note(caps, mode),
+            "hfu": None,
+            "above_peak": hardware / peak,
+            "peak_note": (
+                f"the step ran at {hardware:.3g} TFLOP/s, {hardware / peak:.0%} of the {mode} "
+                f"peak ({peak:.3g} TFLOP/s): that peak is not this device's ceiling (a bug, or a "
+                "CPU measured while busy); MFU left out"
+            ),
         }
-    return {"achieved_tflops": achieved, "peak_tflops": peak, "mfu": achieved / peak}
+    else:
+        out |= {"mfu": achieved / peak, "hfu": hardware / peak}
+    if mode == "fp8":
+        # torchtitan and most papers divide an fp8 run by the bf16 peak, llm-foundry by fp8's.
+        # Against bf16's it can exceed 1: fp8 GEMMs run up to twice as fast.
+        bf16 = peak_tflops(caps, "bf16", cache_dir)
+        out |= {
+            "mfu_vs_bf16_peak": achieved / bf16 if bf16 else None,
+            "mfu_vs_mode_peak": out["mfu"],
+        }
+    return out
 
 
 def _no_peak_note(caps, mode: str) -> str:

@@ -5,6 +5,7 @@ loss-scale history says to change."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -96,58 +97,89 @@ def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
 
 def scale_history(rows: list[dict]) -> dict:
     """From the rows of the loss-scaled steps: the smallest and last scale, how often it backed
-    off, and how many steps it skipped."""
+    off, how many steps it skipped, and how many of those were the first steps, in a row."""
     scales = [r["loss_scale"] for r in rows]
     backoffs = sum(b < a for a, b in zip(scales, scales[1:], strict=False))
+    leading = next((i for i, r in enumerate(rows) if not r["skipped"]), len(rows))
     return {
         "scale_min": min(scales),
         "scale_final": scales[-1],
         "scale_backoffs": backoffs,
         "skipped_steps": sum(bool(r["skipped"]) for r in rows),
+        "leading_skipped_steps": leading,
         "steps": len(rows),
     }
 
 
 def recommend(health: dict, history: dict, init_scale: float, growth_interval: int) -> str:
-    """One sentence: what to change, or that the settings suit the model."""
-    if history["skipped_steps"] > COLLAPSE_SKIPPED_SHARE * history["steps"] and (
-        history["scale_min"] < 1
-    ):
+    """One sentence: what to change, or that the settings suit the model ("ok", only where no
+    loss-scaled step was skipped)."""
+    skipped, steps = history["skipped_steps"], history["steps"]
+    if skipped > COLLAPSE_SKIPPED_SHARE * steps and history["scale_min"] < 1:
         return (
-            f"use bf16: the scale keeps collapsing ({history['skipped_steps']} of "
-            f"{history['steps']} steps skipped, down to {history['scale_min']:g})"
+            f"use bf16: the scale keeps collapsing ({skipped} of {steps} steps skipped, down to "
+            f"{history['scale_min']:g})"
+        )
+    headroom = health.get("gradient_headroom_log2")  # the largest gradient stays finite, ×2 spare
+    ceiling = 2.0 ** (math.floor(headroom) - 1) if headroom is not None else math.inf
+    if skipped == steps:
+        fix = (
+            f"precision.grad_scaler.init_scale={init_scale:g} can never give a finite step: "
+            "use a finite one (GradScaler's default is 65536)"
+            if not math.isfinite(init_scale)
+            else f"lower precision.grad_scaler.init_scale to {ceiling:g}"
+            if ceiling < history["scale_final"]
+            else "lower precision.grad_scaler.init_scale, or use bf16"
+        )
+        return (
+            f"{fix}: every one of the {steps} loss-scaled steps was skipped (non-finite "
+            f"gradients, the last at scale {history['scale_final']:g}), so nothing trained"
         )
     quantile = health.get("gradient_low_quantile")
     low = (health.get("underflow_share_scaled") or 0) + (health.get("subnormal_share") or 0)
     if low > LOW_ALARM and quantile:
-        wanted = FP16_NORMAL / quantile
-        headroom = health["gradient_headroom_log2"]  # the largest gradient stays finite, ×2 spare
-        ceiling = 2.0 ** (math.floor(headroom) - 1) if headroom is not None else math.inf
-        new = min(2.0 ** math.ceil(math.log2(wanted)), ceiling)
+        new = min(2.0 ** math.ceil(math.log2(FP16_NORMAL / quantile)), ceiling)
         if new > health["audited_scale"]:
             return (
                 f"raise precision.grad_scaler.init_scale to {new:g}: at "
                 f"{health['audited_scale']:g}, {low:.1%} of the gradient falls below fp16's "
                 f"normal range ({health['underflow_share_scaled']:.1%} to zero)"
             )
-    if history["scale_backoffs"] > history["steps"] // 4 and history["steps"] >= 8:
+    if history["scale_backoffs"] > steps // 4 and steps >= 8:
         return (
             f"raise precision.grad_scaler.growth_interval above {growth_interval}: the scale "
-            f"backed off {history['scale_backoffs']} times in {history['steps']} steps"
+            f"backed off {history['scale_backoffs']} times in {steps} steps"
         )
-    if history["scale_final"] < init_scale / 2**4 and history["skipped_steps"]:
+    if skipped and ceiling < init_scale:
+        return (
+            f"lower precision.grad_scaler.init_scale to {ceiling:g}: {skipped} of {steps} steps "
+            f"were skipped, and the largest gradient leaves fp16's range at a scale of about "
+            f"{2.0**headroom:.3g}"
+        )
+    if skipped and skipped == history["leading_skipped_steps"]:
         return (
             f"lower precision.grad_scaler.init_scale to {history['scale_final']:g}: the first "
-            f"{history['skipped_steps']} steps were skipped while the scale came down to it"
+            f"{skipped} of {steps} steps were skipped while the scale came down to it"
+        )
+    if skipped:
+        return (
+            f"{skipped} of {steps} steps were skipped (non-finite gradients at the scale in "
+            f"force; down to {history['scale_min']:g}): rare skips are GradScaler trying a "
+            "higher scale, frequent ones a model that overflows fp16 (nonfinite.json has the "
+            "first)"
         )
     return "ok: the loss scale suits this model"
 
 
-def fp16_health(measured: dict | None, rows: list[dict], grad_scaler) -> dict | None:
-    """`summary.json`'s `fp16_health` for a run with loss-scaled steps: the audited step's
-    measurements (absent for fp16_master and under FSDP), the scale history of those steps, and
-    the recommendation."""
-    scaled = [r for r in rows if r.get("precision") in LOSS_SCALED_MODES]
+def fp16_health(
+    measured: dict | None, rows: list[dict], grad_scaler, modes: Iterable[str]
+) -> dict | None:
+    """`summary.json`'s `fp16_health` for a run with loss-scaled steps in its own `modes` (a
+    resumed run's rows include earlier jobs', which may have run another precision): the audited
+    step's measurements (absent for fp16_master and under FSDP), the scale history of those
+    steps, and the recommendation. None without such steps."""
+    scaled_modes = set(modes) & set(LOSS_SCALED_MODES)
+    scaled = [r for r in rows if r.get("precision") in scaled_modes]
     if not scaled:
         return None
     measured = measured or {}

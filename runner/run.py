@@ -173,11 +173,18 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             trainer.meter.activations.by_dtype,
             device,
         )
-        health = fp16_health(trainer.meter.health, trainer.meter.rows, cfg.precision.grad_scaler)
+        health = fp16_health(
+            trainer.meter.health,
+            trainer.meter.rows,
+            cfg.precision.grad_scaler,
+            (mode for _, mode, _ in precision.stages),
+        )
         if health:
             summary["fp16_health"] = health
             console.say(f"fp16 health: {health['recommendation']}")
         summary |= utilisation(summary, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser())
+        if "above_peak" in summary:
+            console.say(f"[yellow]warning:[/] {summary['peak_note']}")
         if precision.fp8:
             fp8_flops, flops = (
                 summary.pop("fp8_flops_per_step", None),

@@ -185,13 +185,16 @@ def test_fp16_health_measures_without_changing_the_run(tmp_path, monkeypatch):
     [
         ({"skipped_steps": 5, "steps": 20, "scale_min": 0.25}, "use bf16"),
         ({"scale_backoffs": 8, "steps": 20}, "raise precision.grad_scaler.growth_interval"),
-        ({"skipped_steps": 6, "scale_final": 1024.0}, "lower precision.grad_scaler.init_scale"),
+        (
+            {"skipped_steps": 6, "leading_skipped_steps": 6, "scale_final": 1024.0},
+            "lower precision.grad_scaler.init_scale",
+        ),
         ({}, "ok"),
     ],
 )
 def test_the_scale_history_decides_the_advice_when_the_gradient_is_fine(history, advice):
     base = {"skipped_steps": 0, "steps": 20, "scale_min": 65536.0, "scale_final": 65536.0}
-    base |= {"scale_backoffs": 0} | history
+    base |= {"scale_backoffs": 0, "leading_skipped_steps": 0} | history
     assert recommend({}, base, 65536.0, 2000).startswith(advice)
 
 

@@ -61,6 +61,78 @@ def test_mfu_is_achieved_over_peak(tmp_path):
     )
 
 
+# Two checkpointable blocks (8 → 16 → 16) and a head, over batches of 16.
+CHECKPOINTED = [
+    "model=module",
+    "model.net._target_=tests.test_own_model.Net",
+    "dataset.train._target_=tests.test_own_model.pairs",
+    "dataset.batch_size=16",
+    "trainer.progress_bar=false",
+    "logger=none",
+    "trainer.max_steps=4",
+    "trainer.benchmark.warmup_steps=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=0",
+]
+
+
+def test_gradient_checkpointing_adds_hardware_flops_not_model_flops(tmp_path):
+    """The recomputed forwards of the two blocks are hardware FLOPs only: model FLOPs (and the
+    MFU that the verdicts read) are the plain model's, HFU is larger by exactly those."""
+    plain = run(make_cfg(*CHECKPOINTED), tmp_path / "plain")
+    ckpt = run(make_cfg(*CHECKPOINTED, "model.gradient_checkpointing=true"), tmp_path / "ckpt")
+    blocks_forward = 2 * 16 * (8 * 16 + 16 * 16)
+    assert ckpt["flops_per_step"] == plain["flops_per_step"] == plain["hardware_flops_per_step"]
+    assert ckpt["hardware_flops_per_step"] == plain["flops_per_step"] + blocks_forward
+    assert ckpt["hfu"] / ckpt["mfu"] == pytest.approx(
+        ckpt["hardware_flops_per_step"] / ckpt["flops_per_step"]
+    )
+
+
+# A wide first layer (1024 features → 512) over batches of 256: most of the step's FLOPs are its
+# forward and its weight's gradient, layouts that PyTorch's emulated bf16/fp16 kernels run many
+# times faster than the square matmuls of their measured rate (here 5-12 times).
+WIDE_MLP = [
+    *TINY_MLP,
+    "dataset.num_features=1024",
+    "dataset.batch_size=256",
+    "model.hidden_size=512",
+    "model.num_layers=1",
+    "precision.cpu_kernels=native",
+    "trainer.max_steps=4",
+    "trainer.benchmark.warmup_steps=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=0",
+]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_an_emulated_modes_mfu_stays_within_its_peak(mode, tmp_path):
+    """On a CPU without bf16/fp16 units, the mode's peak is at least fp32's: what its emulated
+    kernels compute in, and what they reach on some layouts. So the MFU of a run whose matmuls
+    really ran in the mode is a share, never above 1."""
+    caps = DeviceCaps.probe(torch.device("cpu"))
+    if caps.support(mode)[0]:
+        pytest.skip(f"this CPU has {mode} units: nothing is emulated")
+    s = run(make_cfg(*WIDE_MLP, f"precision={mode}"), tmp_path)
+    assert s["low_precision_flop_share"] == 1.0 and s["peak_mode"] == mode
+    assert 0 < s["mfu"] <= s["hfu"] <= 1 and "above_peak" not in s
+
+
+def test_a_step_faster_than_the_peak_is_reported_not_shown(tmp_path, capsys):
+    """A CPU ceiling measured while the machine was busy is no ceiling: the run's rate above it
+    is a warning and a null MFU, never an MFU over 100%."""
+    caps = DeviceCaps.probe(torch.device("cpu"))
+    key = f"{caps.name}|{torch.get_num_threads()}|{torch.__version__}|{torch.float32}"
+    (tmp_path / "cpu_peak_tflops.json").write_text(json.dumps({key: {"tflops": 1e-9}}))
+    s = run(make_cfg(*CHECKPOINTED, f"cache_dir={tmp_path}"), tmp_path / "run")
+    achieved = s["flops_per_step"] / s["step_time_s"] / 1e12
+    assert s["peak_tflops"] == 1e-9 and s["above_peak"] == pytest.approx(achieved / 1e-9)
+    assert s["mfu"] is None and s["hfu"] is None
+    assert "that peak is not this device's ceiling" in s["peak_note"]
+    assert "peak is not this device's ceiling" in " ".join(capsys.readouterr().err.split())
+
+
 def test_gpu_peaks_come_from_the_datasheet_table(tmp_path):
     h200 = DeviceCaps("cuda", "NVIDIA H200", (9, 0))
     assert peak_tflops(h200, "bf16", tmp_path) == 989.5  # 1979 with sparsity, halved
@@ -170,6 +242,17 @@ def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp
         tmp_path,
     )
     assert u["peak_tflops"] == 1979 and u["mfu"] == pytest.approx(0.25) and "peak_note" not in u
+    # Both conventions, and which peak `mfu` divides by; bf16's own run needs neither.
+    assert u["peak_mode"] == "fp8" and u["mfu_vs_mode_peak"] == u["mfu"]
+    assert u["mfu_vs_bf16_peak"] == pytest.approx(0.5)  # 494.75 TFLOP/s over bf16's 989.5
+    bf16 = utilisation(
+        {"flops_per_step": 989.5e12, "step_time_s": 2.0},
+        DeviceCaps("cuda", "NVIDIA H100 80GB HBM3", (9, 0)),
+        "bf16",
+        tmp_path,
+    )
+    assert bf16["mfu"] == pytest.approx(0.5) and bf16["peak_mode"] == "bf16"
+    assert "mfu_vs_bf16_peak" not in bf16 and "mfu_vs_mode_peak" not in bf16
 
 
 @pytest.fixture
