@@ -167,15 +167,20 @@ def _speed(ax, groups: list[Group]) -> None:
     whiskers = [v / 2 if _known(v) else 0 for v in iqr]
     bars = ax.bar(x, speed, yerr=whiskers, capsize=4, color=[f"C{i}" for i in x])
     for bar, g in zip(bars, groups, strict=True):
-        if g.figures.get("too_small_to_tell"):
+        if g.figures.get("speed_emulated"):
+            bar.set_hatch("..")
+            bar.set_label("emulated: fp32 matmuls")
+        elif g.figures.get("too_small_to_tell"):
             bar.set_hatch("//")
             bar.set_label("step too small to tell")
     ax.set_xticks(list(x), [g.label for g in groups], rotation=20, fontsize="small")
     timing = ", ".join(sorted({g.figures["speed_source"] for g in groups}))
     timing = timing.replace("jobs", "per-job")
     ax.set(ylabel="samples/s", title=f"speed ({timing} timing; whiskers: IQR)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(*[v[:1] for v in ax.get_legend_handles_labels()], fontsize="small")
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # one entry per kind of hatch
+        kinds = dict(zip(labels, handles, strict=True))
+        ax.legend(list(kinds.values()), list(kinds), fontsize="small")
 
 
 def _memory(ax, groups: list[Group]) -> None:

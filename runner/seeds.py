@@ -177,6 +177,8 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
         f[key], f[f"{key}_std"] = _mean_std(j.figures[key] for j in jobs)
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     f["memory_source"] = memory_figure(jobs[0].summary)[1]
+    # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's.
+    f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
         # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation).
@@ -316,19 +318,20 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
     step is large enough to tell wins; a speed whose spread is unmeasured is untested."""
     inside = {g: _inside_spread(g, base) for g in fit}
     small = {g for g in fit if g is not base and g.figures["too_small_to_tell"]}
-    untimed = {g for g in fit if g is not base and inside[g] is None}
+    emulated = {g for g in fit if g is not base and g.figures["speed_emulated"]}
+    untimed = {g for g in fit if g is not base and inside[g] is None} - emulated
     fast = [
         g
         for g in fit
         if g is not base
         and g.figures["speedup"] >= MIN_SPEEDUP
         and inside[g] is False
-        and g not in small
+        and not {g} & (small | emulated)
     ]
     best = max(fast, key=lambda g: g.figures["speedup"], default=base)
     for g in fit:
         if g is base:
-            shown = "shown to be faster" if small or untimed else "faster"
+            shown = "shown to be faster" if small or untimed or emulated else "faster"
             g.verdict = "baseline" + (
                 f" — recommended: no mode is {shown} here" if best is base else ""
             )
@@ -340,7 +343,12 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
             if math.isfinite(x)
             else f"speed unmeasured ({source})"
         )
-        if g in small:
+        if g in emulated:
+            tail = (
+                f"speed emulated: its {g.precision} matmuls ran in fp32 on this CPU "
+                "(precision.cpu_kernels), so it tells nothing of its own speed"
+            )
+        elif g in small:
             share = base.figures["mfu"]
             tail = f"too small to tell: {_name(base)}'s FLOPs are {share:.2%} of its step at peak"
         elif g in untimed:

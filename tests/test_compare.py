@@ -420,3 +420,17 @@ def test_the_t_quantile_matches_the_tables(df, quantile):
     from runner.seeds import t_quantile
 
     assert t_quantile(0.975, df) == pytest.approx(quantile, abs=2e-4)
+
+
+def test_a_row_whose_matmuls_were_emulated_in_fp32_is_never_recommended_on_speed(tmp_path):
+    """precision.cpu_kernels=fast: bf16's matmuls ran in fp32, so 1.5× is no bf16 speed."""
+    fake_job(tmp_path / "0", "fp32", speed=100.0, iqr=1.0, summary={"cpu_kernels": "native"})
+    fake_job(tmp_path / "1", "bf16", speed=150.0, iqr=1.0, summary={"cpu_kernels": "fast"})
+    fp32, bf16 = compare(tmp_path, wandb_log=False)
+    assert bf16.figures["speed_emulated"] and not fp32.figures["speed_emulated"]
+    assert bf16.verdict.endswith(
+        "— speed emulated: its bf16 matmuls ran in fp32 on this CPU (precision.cpu_kernels), so "
+        "it tells nothing of its own speed"
+    )
+    assert fp32.verdict == "baseline — recommended: no mode is shown to be faster here"
+    assert json.loads((tmp_path / "compare.json").read_text())[1]["speed_emulated"] is True
