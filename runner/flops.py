@@ -269,8 +269,9 @@ def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
         out |= {"mfu": achieved / peak, "hfu": hardware / peak}
     if mode == "fp8":
         # torchtitan and most papers divide an fp8 run by the bf16 peak, llm-foundry by fp8's.
-        # Against bf16's it can exceed 1: fp8 GEMMs run up to twice as fast.
-        bf16 = peak_tflops(caps, "bf16", cache_dir)
+        # Against bf16's it can exceed 1: fp8 GEMMs run up to twice as fast. Only where the
+        # device has an fp8 peak: elsewhere (a CPU) fp8 is emulated and neither is a ceiling.
+        bf16 = peak_tflops(caps, "bf16", cache_dir) if peak else None
         out |= {
             "mfu_vs_bf16_peak": achieved / bf16 if bf16 else None,
             "mfu_vs_mode_peak": out["mfu"],
