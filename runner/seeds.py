@@ -181,8 +181,10 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
     f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
-        # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation).
-        f["mfu"] = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
+        # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation;
+        # over 1, the peak is no ceiling, and no MFU is shown).
+        mfu = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
+        f["mfu"] = mfu if mfu <= 1 else math.nan
     return f | {
         "eval_loss_mean": f["eval_loss"],
         "seeds": len(g.jobs),
