@@ -5,9 +5,14 @@ FSDP (two ranks of b against one process of 2b) it runs in the pairwise matrix (
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
+from runner.config import Fp8Config
 from runner.errors import UserError
-from runner.run import run
+from runner.precision import Precision
+from runner.precision.fp8 import RECIPES, Float8
+from runner.run import build, run
 from tests.helpers import TINY_BERT, make_cfg, read_metrics
 
 pytest.importorskip("torchao")
@@ -41,6 +46,88 @@ def test_the_linears_convert_as_configured(tmp_path):
     assert fp8["skipped"]["model.cls.predictions.decoder"].startswith("the last Linear")
     for name in (f"{LAYER}.output.dense", f"{LAYER}.attention.output.dense"):
         assert "matches '*.output.dense'" in fp8["skipped"][name]
+
+
+def test_the_layers_reported_converted_are_torchaos_float8linear():
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = make_cfg(*BERT, *FP8, "precision.fp8.skip=[first,last,'*.output.dense']")
+    _, task = build(cfg)
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    precision.prepare(task, cfg.precision.fp32_modules)
+    float8 = {n for n, m in task.named_modules() if isinstance(m, Float8Linear)}
+    assert len(float8) == 4 and set(precision.fp8.report()["converted"]) == float8
+    assert not any(isinstance(task.get_submodule(n), Float8Linear) for n in precision.fp8.skipped)
+
+
+def test_fp8_computes_other_numbers_than_bf16(tmp_path):
+    """The same run in bf16 autocast: every loss differs (the first one too: fp8's forward)."""
+    cfg = [*BERT, "trainer.max_steps=2"]
+    run(make_cfg(*cfg, "precision=bf16"), tmp_path / "bf16")
+    run(make_cfg(*cfg, *FP8), tmp_path / "fp8")
+    bf16, fp8 = (read_metrics(tmp_path / mode) for mode in ("bf16", "fp8"))
+    assert all(a["loss"] != b["loss"] for a, b in zip(bf16, fp8, strict=True))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_rows_that_are_not_a_multiple_of_16_are_padded_for_the_fp8_gemms(
+    tmp_path, monkeypatch, recipe
+):
+    """A micro-batch of 20 rows: the weight's gradient GEMM sums over them, and _scaled_mm on a
+    GPU needs that inner dimension to be a multiple of 16 (a CPU does not: the shapes are read).
+    rowwise_with_gw_hp computes that GEMM in bf16, without _scaled_mm."""
+    shapes = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(a, b, *args, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    cfg = [
+        "model=module",
+        "model.net._target_=tests.test_matrix.MatrixNet",  # Linear 32→64, 64→64, head 64→8
+        "dataset=blobs",
+        "dataset.num_samples=256",
+        "dataset.batch_size=20",
+        "trainer.max_steps=2",
+        "trainer.progress_bar=false",
+        "logger=none",
+        *FP8,
+        "precision.fp8.skip=[]",
+        f"precision.fp8.recipe={recipe}",
+    ]
+    assert run(make_cfg(*cfg), tmp_path)["status"] == "completed"
+    inner = {a[1] for a, _ in shapes}
+    assert 20 not in inner and all(k % 16 == 0 for k in inner), shapes
+    if recipe != "rowwise_with_gw_hp":
+        assert (64, 32) in {a for a, _ in shapes}  # the weight's gradient: 64 × 32 padded rows
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_zero_rows_padded_in_change_no_output_and_no_gradient(recipe):
+    """Against torchao's own forward on the 20 rows as they are (a CPU runs that), its input in
+    autocast's bf16: bit for bit, in every recipe."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    fp8 = Float8(Fp8Config(recipe=recipe, skip=[], min_features=16))
+    fp8.prepare(net, [])
+    fp8.active = True
+    x = torch.randn(4, 5, 32, requires_grad=True)
+
+    def step(forward) -> list[torch.Tensor]:
+        net.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", torch.bfloat16):
+            out = forward(x)
+        out.float().pow(2).sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in net.parameters())]
+
+    padded = step(net)
+    plain = step(lambda x: Float8Linear.forward(net[1], Float8Linear.forward(net[0], x.bfloat16())))
+    assert all(torch.equal(a, b) for a, b in zip(padded, plain, strict=True))
 
 
 def test_the_audit_counts_the_fp8_gemms(tmp_path):

@@ -1,6 +1,8 @@
 """precision=fp8: torchao's float8 training on the model's `nn.Linear` layers, bf16 autocast for
-everything else. Which Linears are converted, and why the others are not, is decided here and
-reported; in a `staged` run the converted layers compute in fp8 only in fp8 stages."""
+everything else. Which Linears to convert, and why the others are not, is decided here; what is
+reported as converted, and the fp8 FLOPs, are read off the model (the layers that are torchao's
+`Float8Linear`) and off the GEMMs that ran on fp8 tensors. In a `staged` run the converted layers
+compute in fp8 only in fp8 stages."""
 
 from __future__ import annotations
 
@@ -10,13 +12,17 @@ import functools
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from runner.errors import UserError
+from runner.flops import recomputing
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
-FP8_DIMENSION = 16  # the fp8 GEMM kernels need both dimensions to be multiples of this
+FP8_DIMENSION = 16  # torch._scaled_mm on a GPU needs the inner and outer dims multiples of this
 
 
 def _torchao_float8():
@@ -58,10 +64,10 @@ class Float8:
             )
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
         self.min_features, self.all_gather = cfg.min_features, cfg.all_gather
-        self.converted: list[str] = []
         self.skipped: dict[str, str] = {}
         self.active = False
-        self._modules: list[nn.Module] = []
+        self._model: nn.Module | None = None
+        self._float8 = None  # torchao.float8, once imported (only where a layer is chosen)
 
     def _skip_reason(self, name: str, linear: nn.Linear, order: list[str]) -> str | None:
         dims = (linear.in_features, linear.out_features)
@@ -97,7 +103,7 @@ class Float8:
         self._model = model
         if not chosen:
             return
-        float8 = _torchao_float8()
+        self._float8 = float8 = _torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         if self.all_gather:
             if self.recipe != "tensorwise":
@@ -109,10 +115,17 @@ class Float8:
         float8.convert_to_float8_training(
             model, config=config, module_filter_fn=lambda _module, fqn: fqn in chosen
         )
-        for name, module in model.named_modules():
-            if name in chosen:
-                self._switchable(module)
-                self.converted.append(name)
+        for module in self._converted().values():
+            self._switchable(module)
+
+    def _converted(self) -> dict[str, nn.Module]:
+        """The layers that are torchao's `Float8Linear` (FSDP2 subclasses it), by name."""
+        if self._float8 is None:
+            return {}
+        from torchao.float8.float8_linear import Float8Linear
+
+        modules = self._model.named_modules()
+        return {name: m for name, m in modules if isinstance(m, Float8Linear)}
 
     def _switchable(self, module: nn.Module) -> None:
         """Outside fp8 stages the layer runs as the plain Linear it was (same weights). Under
@@ -123,41 +136,67 @@ class Float8:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not self.active:
                 return nn.Linear.forward(module, x)
+            if torch.is_autocast_enabled(x.device.type):
+                # as torchao does under CUDA's autocast only: on a CPU the input stayed fp32
+                # (rowwise_with_gw_hp's high-precision GEMM then met a bf16 gradient and failed)
+                x = x.to(torch.get_autocast_dtype(x.device.type))
             if torch.is_inference_mode_enabled():  # evaluation: torchao's fp8 needs plain no_grad
                 with torch.inference_mode(False), torch.no_grad():
                     return fp8_forward(x)
-            return fp8_forward(x)
+            return _rows_aligned(fp8_forward, x)
 
         module.forward = forward
-        self._modules.append(module)
 
     def after_step(self) -> None:
         """With fp8 all-gather under FSDP2: the next gather's scales, one collective for all."""
-        if self.all_gather and self.active and self.converted:
-            _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(self._model)
+        if self.all_gather and self.active and self._float8:
+            self._float8.precompute_float8_dynamic_scale_for_fsdp(self._model)
 
     def report(self) -> dict:
-        return {"recipe": self.recipe, "converted": self.converted, "skipped": self.skipped}
+        """`converted`: the layers that are `Float8Linear` on the model; `skipped`: the Linears
+        left out, each with its reason."""
+        converted = list(self._converted())
+        return {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[dict]:
-        """The fp8 GEMM FLOPs of the steps run inside (the audited one): per converted layer's
-        call, its forward GEMM and, in backward, the weight's gradient and (where the input
-        needs one) the input's. Counted by layer, since on a CPU torchao emulates the fp8 GEMMs
-        in bf16 and the ops alone do not show them."""
-        counts = {"fp8_flops_per_step": 0}
+        """The FLOPs of the fp8 GEMMs of the steps run inside (the audited one): the matmuls
+        whose operands are torchao's fp8 tensors, each of which torchao runs as a `_scaled_mm`
+        on fp8 data (on a CPU too). None outside fp8 stages, where the layers run plain."""
+        gemms = _Fp8Gemms(self._float8.Float8TrainingTensor) if self._float8 else None
+        with gemms or contextlib.nullcontext():
+            yield gemms.counts if gemms else {"fp8_flops_per_step": 0}
 
-        def count(module: nn.Module, inputs: tuple, _output) -> None:
-            x = inputs[0]
-            rows = x.numel() // module.in_features
-            gemms = 1 + module.weight.requires_grad + x.requires_grad
-            counts["fp8_flops_per_step"] += (
-                2 * rows * module.in_features * module.out_features * gemms
-            )
 
-        hooks = [m.register_forward_hook(count) for m in self._modules] if self.active else []
-        try:
-            yield counts
-        finally:
-            for hook in hooks:
-                hook.remove()
+class _Fp8Gemms(TorchDispatchMode):
+    """Counts the FLOPs of the ops that take a torchao fp8 tensor (`Float8TrainingTensor`); the
+    tensor turns each matmul into a `_scaled_mm` below this mode, out of its sight. Model FLOPs,
+    as the audit's: a forward that gradient checkpointing recomputes is not counted again."""
+
+    def __init__(self, fp8_tensor: type):
+        super().__init__()
+        self.fp8_tensor = fp8_tensor
+        self.counts = {"fp8_flops_per_step": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula and not recomputing() and any(issubclass(t, self.fp8_tensor) for t in types):
+            self.counts["fp8_flops_per_step"] += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def _rows_aligned(fp8_forward, x: torch.Tensor) -> torch.Tensor:
+    """The layer's fp8 forward with the input's rows (the micro-batch's tokens) padded with zero
+    rows to a multiple of 16 where they are not (a dataset padded per batch): the GEMM of the
+    weight's gradient sums over them, and on a GPU torch._scaled_mm refuses an inner dimension
+    that is not a multiple of 16 (torchao's `pad_inner_dim` would copy every GEMM's operands,
+    aligned or not). Zero rows add nothing to that gradient nor to any scale's amax; their
+    outputs are dropped."""
+    rows = x.numel() // x.shape[-1]
+    missing = -rows % FP8_DIMENSION
+    if not missing or not torch.is_grad_enabled():  # no gradient GEMM in evaluation
+        return fp8_forward(x)
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, missing))
+    return fp8_forward(padded)[:rows].reshape(*x.shape[:-1], -1)
