@@ -20,6 +20,7 @@ PRECISION_MODES = (*STAGE_MODES, "staged", "fp16_master", "bf16_true")
 LOSS_SCALED_MODES = ("fp16", "fp16_master")  # the modes that need a GradScaler
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
+CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels
 ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 update: runner's own
 ADAMW8BIT = "torchao.optim.AdamW8bit"  # optim=adamw8bit
 OWN_ADAMW_KEYS = {"_target_", "_partial_", "lr", "betas", "eps", "weight_decay", "fused", "foreach"}
@@ -57,6 +58,10 @@ class PrecisionConfig:
     grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
     # Run bf16/fp16/tf32 even where the device only emulates it (slow; the numbers mislead).
     allow_emulated: bool = False
+    # CPU only: bf16/fp16 matmuls and convolutions in PyTorch's own kernels (native), or computed
+    # from their bf16/fp16 inputs in fp32 and rounded (fast: the same numerics at fp32 speed);
+    # auto: fast for a dtype the CPU has no units for (runner/precision/cpu_kernels.py).
+    cpu_kernels: str = "auto"
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
     # their inputs cast to fp32: for sensitive layers and ops that only support fp32.
     fp32_modules: list[str] = field(default_factory=list)

@@ -111,9 +111,12 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         console.say(f"precision: {precision.describe()}")
         for warning in precision.warnings:
             console.say(f"[yellow]warning:[/] {warning}")
-        slowdown = {
+        for note in precision.kernel_notes():
+            console.say(note)
+        slowdown = {  # measured where the mode runs PyTorch's own emulated kernels
             mode: emulation_slowdown(caps, compute_mode(mode), Path(cfg.cache_dir).expanduser())
             for _, mode, _ in precision.stages
+            if not precision.emulates(mode)
         }
         for mode, factor in slowdown.items():
             if factor:
@@ -126,6 +129,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "precision": precision.name,
             "precision_requested": precision.requested,
             "precision_reason": precision.reason,
+            "cpu_kernels": precision.cpu_kernels,
             "device": str(device),
             "device_name": caps.name,
             "torch_version": torch.__version__,

@@ -79,7 +79,11 @@ class Trainer:
         loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.meter.start(self.step)
         self.task.train()
-        with ProgressBar(cfg.max_steps, cfg.progress_bar) as bar, self.preemption.installed():
+        with (
+            self.precision.fast_kernels,  # precision.cpu_kernels=fast: for this fit only
+            ProgressBar(cfg.max_steps, cfg.progress_bar) as bar,
+            self.preemption.installed(),
+        ):
             while self.step < cfg.max_steps:
                 window, data_wait = self.meter.fetch(loader, cfg.accumulate_grad_batches)
                 if self.precision.at_step(self.step):

@@ -14,6 +14,7 @@ from runner.config import (
     ADAMW,
     ADAMW8BIT,
     BF16_UPDATES,
+    CPU_KERNELS,
     OWN_ADAMW_KEYS,
     PRECISION_MODES,
     SCHEDULE_DECAYS,
@@ -191,6 +192,12 @@ def validate(cfg: DictConfig) -> None:
     _require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
     why = "applies to precision=bf16_true only"
     _require(update == "plain" or p.mode == "bf16_true", "precision.update", update, why)
+    _require(
+        p.cpu_kernels in CPU_KERNELS,
+        "precision.cpu_kernels",
+        p.cpu_kernels,
+        "allowed: " + ", ".join(CPU_KERNELS),
+    )
     _require(
         p.reduce_dtype in ("fp32", "bf16"),
         "precision.reduce_dtype",

@@ -13,6 +13,7 @@ from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
 from runner.precision import bf16_true, islands
 from runner.precision.caps import DeviceCaps, compute_mode
+from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
 from runner.precision.step import StepResult, optimizer_step
@@ -58,6 +59,10 @@ class Precision:
         self.master = MasterWeights()
         # fp8's Linears are converted once; they compute in fp8 in fp8 stages only
         self.fp8 = Float8(cfg.fp8) if any(m == "fp8" for _, m, _ in self.stages) else None
+        # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
+        self.fast_kernels = FastKernels(
+            emulated_dtypes(cfg.cpu_kernels, self.caps, [m for _, m, _ in self.stages])
+        )
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
         self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
         self._no_scale = torch.ones((), device=device)
@@ -147,9 +152,28 @@ class Precision:
         return self.master.optimizer_groups(groups)
 
     @property
+    def cpu_kernels(self) -> str:
+        """What ran the low-precision matmuls: "fast" (computed in fp32, rounded) where some
+        stage's dtype is emulated so, else "native" (PyTorch's kernels; fp32 and tf32 runs too)."""
+        return "fast" if self.fast_kernels.dtypes else "native"
+
+    def emulates(self, mode: str) -> bool:
+        """Whether `mode`'s low-precision matmuls compute in fp32 here (cpu_kernels=fast)."""
+        return LOW_DTYPES.get(compute_mode(mode)) in self.fast_kernels.dtypes
+
+    def kernel_notes(self) -> list[str]:
+        """The opening lines on what the fast kernels do, one per emulated dtype."""
+        return [
+            f"{name} matmuls: emulated in fp32, same numerics, speed not {name}'s"
+            for name, dtype in LOW_DTYPES.items()
+            if dtype in self.fast_kernels.dtypes
+        ]
+
+    @property
     def peak_mode(self) -> str:
-        """The mode whose peak rate the device's MFU is measured against."""
-        return compute_mode(self.mode)
+        """The mode whose peak rate the device's MFU is measured against: fp32 where the fast
+        CPU kernels compute the mode's matmuls in fp32."""
+        return "fp32" if self.emulates(self.mode) else compute_mode(self.mode)
 
     def memory(self, model: torch.nn.Module) -> dict:
         return self.master.memory(model)
