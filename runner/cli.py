@@ -4,9 +4,11 @@ traceback, and a sweep with a typo in its fifth job fails before the first one s
 from __future__ import annotations
 
 import itertools
+import re
 import sys
+from pathlib import Path
 
-from runner.errors import UserError
+from runner.errors import UserError, clip, first_line
 
 # Hydra flags after which we do not second-guess the command line.
 _HYDRA_INFO_FLAGS = (
@@ -36,7 +38,30 @@ def _one_line(e: BaseException) -> str:
         if text:
             parts.append(text.splitlines()[0].rstrip("."))
         e = e.__cause__
-    return ": ".join(dict.fromkeys(parts)) or "invalid configuration"
+    line = ": ".join(dict.fromkeys(parts)) or "invalid configuration"
+    return line + _allowed(line)
+
+
+def _allowed(message: str) -> str:
+    """What a message about an unknown key or an unreadable value leaves out: the keys allowed
+    there (from the runner's schemas), or how to quote a value."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    from runner import config
+
+    if "LexerNoViableAltException" in message:
+        return " (quote a value with spaces or other characters: 'key=\"value\"')"
+    keys = None
+    if found := re.search(r"Key '\w+' not in '(\w+)'", message):
+        schema = getattr(config, found[1], None)
+        keys = [f.name for f in fields(schema)] if schema is not None else None
+    elif (found := re.search(r"override '([\w.]+)'", message)) and "not in struct" in message:
+        parent = found[1].rpartition(".")[0]
+        node = OmegaConf.select(OmegaConf.structured(config.Config), parent) if parent else None
+        keys = list(node) if OmegaConf.is_dict(node) else None
+    return f" (allowed: {', '.join(keys)})" if keys else ""
 
 
 def _parse(args: list[str]):
@@ -135,7 +160,6 @@ def preflight(args: list[str]) -> None:
     if informational(args):
         return
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from runner import CONF_DIR
     from runner.validation import validate
@@ -149,21 +173,95 @@ def preflight(args: list[str]) -> None:
     searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
     if not searchpath:
         _check_group_choices(jobs)
+    _check_output_dirs(args)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for job in jobs:
             try:
                 cfg = compose("config", overrides=job + searchpath)
             except Exception as e:
                 raise UserError(_one_line(e)) from None
-            missing = sorted(OmegaConf.missing_keys(cfg))
-            if missing:
-                raise UserError(
-                    f"{missing[0]} is required: set it on the command line ({missing[0]}=...)"
-                )
+            _resolve(cfg)
             validate(cfg)
+            check_buildable(cfg)
+
+
+def _check_output_dirs(args: list[str]) -> None:
+    """Hydra makes its output folder before any of the runner's code runs: a path through a
+    file would stop it with a traceback."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or "${" in value:
+            continue
+        for path in (Path(value), *Path(value).parents):
+            if path.exists() and not path.is_dir():
+                raise UserError(f"{key}={value} is invalid: {path} is a file, not a folder")
+
+
+def _resolve(cfg) -> None:
+    """Every interpolation resolved once, so that an unset variable or a missing key is one
+    line naming the key here, not a traceback wherever it is first read."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        key = e.full_key
+        raise UserError(f"{key} is required: set it on the command line ({key}=...)") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{key + ': ' if key else ''}cannot resolve it: {first_line(e)}") from None
+
+
+# Keys Hydra's instantiate reads itself, and what the runner passes a task-owned group's target.
+_INSTANTIATE_KEYS = {"_target_", "_recursive_", "_partial_", "_convert_", "_args_"}
+_PASSED = {"model": {"data"}}
+
+
+def check_buildable(cfg) -> None:
+    """What can be checked of a job without training: its device exists, and each `_target_`
+    of the task-owned groups imports and takes the keys its config node gives it (a typo added
+    with `++` is one line here, not an error from the constructor or a key nothing reads)."""
+    import inspect
+
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    from runner.run import resolve_device
+
+    resolve_device(cfg.trainer.device)
+    for group in ("model", "dataset", "optim"):
+        nodes = [(group, cfg.get(group))]
+        while nodes:
+            path, node = nodes.pop()
+            if not OmegaConf.is_dict(node):
+                continue
+            nodes += [(f"{path}.{k}", v) for k, v in node.items_ex(resolve=False)]
+            target = node.get("_target_")
+            if not isinstance(target, str):
+                continue
+            try:
+                built = get_object(target)
+            except Exception as e:
+                raise UserError(
+                    f"{path}._target_={target} cannot be imported: {_one_line(e)}"
+                ) from None
+            try:
+                params = inspect.signature(built).parameters.values()
+            except (TypeError, ValueError):  # no signature to read (a builtin)
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in params):
+                continue
+            names = {p.name for p in params if p.kind is not p.VAR_POSITIONAL}
+            unknown = sorted(set(node) - _INSTANTIATE_KEYS - names)
+            if unknown:
+                takes = ", ".join(sorted(names - _PASSED.get(path, set()) - {"self"}))
+                raise UserError(
+                    f"{path}.{unknown[0]} is not a key {target} takes (it takes: {takes})"
+                )
 
 
 def fail(error: UserError) -> None:
     """One line on stderr, then exit: 2 for bad input, 1 for a run that stopped itself."""
-    print(f"error: {error}", file=sys.stderr)
+    print(f"error: {clip(str(error), 600)}", file=sys.stderr)
     sys.exit(getattr(error, "exit_code", 2))

@@ -325,14 +325,14 @@ class CompareCallback(Callback):
 
         if not from_env().main:  # under torchrun, rank 0 compares
             return
+        sweep = Path(config.hydra.sweep.dir)
         try:
-            groups = compare(Path(config.hydra.sweep.dir), speed=config.runner.speed)
-        except UserError as e:
+            CompareCallback.failed_jobs = sum(
+                j.summary.get("status") != "completed" for j in load_sweep(sweep)
+            )
+            compare(sweep, speed=config.runner.speed)
+        except UserError as e:  # the failed jobs still fail the command
             print(f"error: {e}", file=sys.stderr)
-            return
-        CompareCallback.failed_jobs = sum(
-            j.summary.get("status") != "completed" for g in groups for j in g.jobs
-        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,6 +28,11 @@ class Preempted(Exception):
         self.signal_name, self.step = signal_name, step
 
 
+def clip(text: str, limit: int = 120) -> str:
+    """`text`, cut to `limit` characters where it is longer (a value echoed in an error line)."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message, or its type's name when it has none."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]

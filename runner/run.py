@@ -91,6 +91,13 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     ranks = distributed.init()
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
+    record = out / "metrics.jsonl"
+    if not cfg.trainer.resume and record.exists() and record.stat().st_size:
+        # A fresh start would empty it, and a failed build would leave nothing in its place.
+        raise UserError(
+            f"{out} holds an earlier run's metrics.jsonl: continue it with trainer.resume=auto, "
+            "or give this run a folder of its own (hydra.run.dir=...)"
+        )
     resume = checkpoint.find_resume(cfg.trainer.resume, out)
     state = checkpoint.own_shard(*resume, ranks.rank, ranks.world) if resume else None
     log = RunLog(

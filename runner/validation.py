@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.config import (
     ADAMW,
@@ -19,13 +20,15 @@ from runner.config import (
     PRECISION_MODES,
     SCHEDULE_DECAYS,
     STAGE_MODES,
+    Config,
+    StageConfig,
 )
-from runner.errors import UserError
+from runner.errors import UserError, clip
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise UserError(f"{key}={value!r} is invalid: {allowed}")
+        raise UserError(f"{key}={clip(repr(value))} is invalid: {allowed}")
 
 
 def _validate_stages(stages) -> None:
@@ -76,6 +79,100 @@ def _validate_state(o, dtype, update: str) -> None:
     _require(not extra, "optim.optimizer", extra, why)
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The documented keys of the task-owned groups (conf/model, conf/dataset), wherever a group has
+# one: (what is allowed, the check). A bad value then names its key, not the constructor's
+# complaint ("high <= 0", "'<' not supported between instances of 'str' and 'int'").
+_POSITIVE = ("an integer ≥ 1", lambda v: _integer(v) and v >= 1)
+_FRACTION = ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+_SMALL = ("a number > 0", lambda v: _number(v) and v > 0)
+TASK_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
+    "model": {
+        **dict.fromkeys(
+            (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+                "num_layers",
+                "n_embd",
+                "n_layer",
+                "n_head",
+                "n_positions",
+                "width",
+                "depth",
+                "latent_dim",
+            ),
+            _POSITIVE,
+        ),
+        "dropout": _FRACTION,
+        "initializer_range": _SMALL,
+        "layer_norm_eps": _SMALL,
+        "blocks_per_stage": (
+            "a list of integers ≥ 1",
+            lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_POSITIVE[1](x) for x in v),
+        ),
+    },
+    "dataset": {
+        **dict.fromkeys(
+            (
+                "batch_size",
+                "num_samples",
+                "num_documents",
+                "num_features",
+                "num_classes",
+                "vocab_size",
+                "seq_len",
+                "image_size",
+                "channels",
+                "shapes_per_image",
+                "words_per_document",
+                "vocab_words",
+                "num_topics",
+            ),
+            _POSITIVE,
+        ),
+        "num_workers": ("an integer ≥ 0", lambda v: _integer(v) and v >= 0),
+        "validation_fraction": _FRACTION,
+        "mlm_probability": ("a number in (0, 1)", lambda v: _number(v) and 0 < v < 1),
+    },
+}
+# Pairs of keys in one group where the first must be a multiple of the second (attention heads).
+DIVISIBLE = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"))
+
+
+def _validate_task(cfg: DictConfig) -> None:
+    for group, checks in TASK_KEYS.items():
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        for key, (allowed, ok) in checks.items():
+            if key in node:
+                _require(ok(node[key]), f"{group}.{key}", node[key], f"must be {allowed}")
+        for whole, part in DIVISIBLE:
+            if whole in node and part in node:
+                _require(
+                    node[whole] % node[part] == 0,
+                    f"{group}.{whole}",
+                    node[whole],
+                    f"must be a multiple of {group}.{part} ({node[part]})",
+                )
+    model, dataset = cfg.get("model"), cfg.get("dataset")
+    if isinstance(model, DictConfig) and isinstance(dataset, DictConfig) and "seq_len" in dataset:
+        for key in ("max_position_embeddings", "n_positions"):
+            if key in model:
+                _require(
+                    dataset.seq_len <= model[key],
+                    "dataset.seq_len",
+                    dataset.seq_len,
+                    f"must be ≤ model.{key} ({model[key]})",
+                )
+
+
 def _validate_optim(optim, update: str = "plain") -> None:
     """The optimizer's keys where present (AdamW has betas, SGD has momentum), and the schedule
     the runner reads. Here rather than at build time so that a sweep fails before its first job."""
@@ -89,6 +186,13 @@ def _validate_optim(optim, update: str = "plain") -> None:
         )
     o, s = optim.optimizer, optim.scheduler
     _validate_state(o, optim.get("state_dtype"), update)
+    if "fused" in o:
+        _require(
+            o.fused is None or isinstance(o.fused, bool),
+            "optim.optimizer.fused",
+            o.fused,
+            "must be true, false or null",
+        )
     if "lr" in o:
         _require(_number(o.lr) and o.lr > 0, "optim.optimizer.lr", o.lr, "must be a number > 0")
     if "eps" in o:
@@ -133,8 +237,31 @@ def _validate_optim(optim, update: str = "plain") -> None:
     )
 
 
+def _validate_known(node, schema, path: str) -> None:
+    """Every key of a runner-owned group is one its schema has: `++trainer.max_stepz=5` adds a
+    key that nothing would read."""
+    if isinstance(node, DictConfig) and isinstance(schema, DictConfig):
+        for key in node:
+            _require(
+                key in schema,
+                f"{path}.{key}",
+                node.get(key),
+                f"{path} has no key {key!r} (allowed: {', '.join(schema)})",
+            )
+            _validate_known(node[key], schema[key], f"{path}.{key}")
+    elif isinstance(node, ListConfig) and path == "precision.stages":
+        for i, stage in enumerate(node):
+            _validate_known(stage, OmegaConf.structured(StageConfig), f"{path}.{i}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that need more than a type: ranges and choices. Raises UserError."""
+    schema = OmegaConf.structured(Config)
+    known = list(schema.keys())  # `in` on a DictConfig passes over keys that are ??? (model)
+    for key in cfg:
+        _require(key in known, key, cfg.get(key), f"not a key (allowed: {', '.join(known)})")
+    for group in ("precision", "trainer", "logger", "runner"):
+        _validate_known(cfg[group], schema[group], group)
     t, p = cfg.trainer, cfg.precision
     for key in (
         "max_steps",
@@ -205,9 +332,17 @@ def validate(cfg: DictConfig) -> None:
         "allowed: fp32, bf16",
     )
     gs = p.grad_scaler
-    _require(gs.init_scale > 0, "precision.grad_scaler.init_scale", gs.init_scale, "must be > 0")
     _require(
-        gs.growth_factor > 1, "precision.grad_scaler.growth_factor", gs.growth_factor, "must be > 1"
+        _number(gs.init_scale) and gs.init_scale > 0,
+        "precision.grad_scaler.init_scale",
+        gs.init_scale,
+        "must be a finite number > 0",
+    )
+    _require(
+        _number(gs.growth_factor) and gs.growth_factor > 1,
+        "precision.grad_scaler.growth_factor",
+        gs.growth_factor,
+        "must be a finite number > 1",
     )
     _require(
         0 < gs.backoff_factor < 1,
@@ -229,8 +364,24 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
+    for pattern in p.fp32_modules:
+        _require(
+            isinstance(pattern, str) and pattern.strip() != "",
+            "precision.fp32_modules",
+            list(p.fp32_modules),
+            "module names or fnmatch patterns, none empty (an empty name is the whole model)",
+        )
+    _require(
+        _integer(cfg.seed) and 0 <= cfg.seed < 2**32,
+        "seed",
+        cfg.seed,
+        "must be an integer in [0, 2**32)",
+    )
+    cache = Path(str(cfg.cache_dir)).expanduser()
+    _require(not cache.exists() or cache.is_dir(), "cache_dir", cfg.cache_dir, "must be a folder")
     r = cfg.runner
     for key, least in (("seeds", 1), ("speed_rounds", 2), ("speed_steps", 1)):
         _require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     _require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     _validate_optim(cfg.optim, update)
+    _validate_task(cfg)

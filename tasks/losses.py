@@ -18,7 +18,7 @@ IGNORE_INDEX = -100  # targets to leave out (padding, unmasked tokens), as PyTor
 MAX_F1_CLASSES = 64  # beyond this, per-class counts in the eval sums cost more than they tell
 
 
-def _shape(t: torch.Tensor) -> str:
+def shape_of(t: torch.Tensor) -> str:
     return f"[{', '.join(map(str, t.shape))}]"
 
 
@@ -57,12 +57,25 @@ class CrossEntropy(Loss):
         if target.is_floating_point() or target.dtype == torch.bool:
             raise UserError(
                 f"model.loss=cross_entropy needs integer class targets, but the dataset gives "
-                f"{str(target.dtype).removeprefix('torch.')} targets of shape {_shape(target)} "
+                f"{str(target.dtype).removeprefix('torch.')} targets of shape {shape_of(target)} "
                 "(use model.loss=mse, or a _target_ loss)"
             )
 
     def count(self, target: torch.Tensor) -> int:
         return int((target != IGNORE_INDEX).sum())
+
+    def check_classes(self, prediction, target: torch.Tensor) -> None:
+        """Fails with one line where targets reach past the classes the net predicts."""
+        logits, labels = self.align(prediction, target)
+        labels = labels[labels != IGNORE_INDEX]
+        classes = logits.shape[-1]
+        if len(labels) and (labels.min() < 0 or labels.max() >= classes):
+            raise UserError(
+                f"model.loss=cross_entropy: the dataset's targets reach class "
+                f"{int(labels.max() if labels.max() >= classes else labels.min())}, but the net "
+                f"predicts {classes} classes (0–{classes - 1}): give the net {int(labels.max()) + 1} "
+                "outputs, or check the targets"
+            )
 
     def align(
         self, prediction: torch.Tensor, target: torch.Tensor
@@ -73,8 +86,8 @@ class CrossEntropy(Loss):
             prediction = prediction.movedim(1, -1)
         elif p[:-1] != t:
             raise UserError(
-                f"model.loss=cross_entropy: the net's output of shape {_shape(prediction)} does "
-                f"not fit targets of shape {_shape(target)} (it must be the target's shape with a "
+                f"model.loss=cross_entropy: the net's output of shape {shape_of(prediction)} does "
+                f"not fit targets of shape {shape_of(target)} (it must be the target's shape with a "
                 "class dimension at dim 1 or last)"
             )
         return prediction.reshape(-1, prediction.shape[-1]), target.flatten()
@@ -146,8 +159,8 @@ class MeanSquared(Loss):
     def total(self, prediction, target: torch.Tensor) -> torch.Tensor:
         if prediction.numel() != target.numel():
             raise UserError(
-                f"model.loss=mse: the net's output of shape {_shape(prediction)} does not match "
-                f"targets of shape {_shape(target)}"
+                f"model.loss=mse: the net's output of shape {shape_of(prediction)} does not match "
+                f"targets of shape {shape_of(target)}"
             )
         # Summed in fp32: a bf16 sum over a batch would round away most of its terms.
         return F.mse_loss(prediction.reshape(target.shape).float(), target, reduction="sum")
@@ -195,7 +208,7 @@ class UserLoss(Loss):
             return loss.float() * len(target)
         if loss.shape[0] != len(target):
             raise UserError(
-                f"model.loss={self.name} returned a loss of shape {_shape(loss)}: it must be a "
+                f"model.loss={self.name} returned a loss of shape {shape_of(loss)}: it must be a "
                 f"mean, or have one value per sample ({len(target)}) first"
             )
         return loss.float().reshape(len(target), -1).mean(1).sum()

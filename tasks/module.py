@@ -4,6 +4,7 @@ config. No subclassing: the net sees the dataset's inputs, the loss sees its out
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -12,9 +13,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runner import console
-from runner.errors import UserError, building
+from runner.errors import UserError, building, first_line
 from runner.task import Batch, DataModule, Task
-from tasks.losses import CrossEntropy, Loss, NetOutput, batch_target, macro_f1, make_loss
+from tasks.losses import (
+    CrossEntropy,
+    Loss,
+    NetOutput,
+    batch_target,
+    macro_f1,
+    make_loss,
+    shape_of,
+)
+
+PROBE_ITEMS = 64  # checked through the net before training: enough to meet most classes
 
 
 def blocks(net: nn.Module) -> list[nn.Module]:
@@ -119,6 +130,37 @@ class ModuleTask(Task):
         self.channels_last = channels_last
         if channels_last:
             self.net.to(memory_format=torch.channels_last)
+        self._probe(data, net)
+
+    def _probe(self, data: DataModule, net) -> None:
+        """The first items of the training data through the net and the loss, before training
+        (in eval mode, without gradients): data the net cannot take, or targets beyond the
+        classes it predicts, are one line here rather than a traceback in the first step."""
+        n = min(PROBE_ITEMS, data.split_size("train"))
+        batch = data.collate("train", [(0, 0, i) for i in range(n)])
+        training, name = self.training, getattr(net, "get", lambda *_: None)("_target_")
+        name = name or type(self.net).__name__
+        # A net that holds some weights in bf16/fp16 itself runs under autocast, as it trains.
+        low = {q.dtype for q in self.parameters()} & {torch.bfloat16, torch.float16}
+        autocast = torch.autocast("cpu", dtype=min(low, key=str)) if low else nullcontext()
+        self.eval()
+        try:
+            with torch.no_grad(), autocast:
+                output, target = self._run(batch)
+                prediction = self._prediction(output)
+                if isinstance(self.loss, CrossEntropy):
+                    self.loss.check_classes(prediction, target)
+                self.loss.total(prediction, target)
+        except UserError:
+            raise
+        except Exception as e:
+            inputs = ", ".join(f"{k} {shape_of(v)}" for k, v in batch_target(batch)[0].items())
+            raise UserError(
+                f"model.net ({name}) cannot take the dataset's items (a batch of {n}: {inputs}): "
+                f"{first_line(e)}"
+            ) from None
+        finally:
+            self.train(training)
 
     def _checkpoint_blocks(self) -> None:
         units = blocks(self.net)

@@ -238,8 +238,8 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
     assert "\n" not in text
     if message:
         assert message in text
-    else:  # wrong output shape for the targets, found on the first step
-        assert "does not match targets of shape [16, 3]" in text, text
+    else:  # wrong output shape for the targets, found by the build's probe of 64 items
+        assert "does not match targets of shape [64, 3]" in text, text
 
 
 def test_the_example_package_sweeps_from_outside_the_repository(tmp_path):

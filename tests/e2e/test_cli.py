@@ -79,10 +79,10 @@ def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
             "error: optim.optimizer.lr='abc' is invalid: must be a number",
         ),
         (["optim.optimizer.betas=5"], "error: optim.optimizer.betas=5 is invalid: must be a list"),
-        # Past preflight: the task-owned model group has no schema, its constructor raises.
+        # A task-owned group's documented keys are checked in preflight too.
         (
             [*TINY_MLP, "trainer.max_steps=2", "model.hidden_size=abc"],
-            "error: cannot build model (tasks.classification.MLPClassifier) from the config: ",
+            "error: model.hidden_size='abc' is invalid: must be an integer ≥ 1",
         ),
     ],
 )

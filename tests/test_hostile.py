@@ -1,0 +1,177 @@
+"""Hostile input on every path: one clear line (what, which value, what is allowed), exit 2, no
+traceback, and nothing lost. Checked before the first job of a command line starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from runner.cli import preflight
+from runner.errors import UserError
+from runner.run import build, run
+from tests.helpers import TINY_MLP, cli, make_cfg, read_metrics
+
+MLP = ["model=mlp", "dataset.num_samples=256", "logger=none"]
+BERT = ["model=bert", "dataset.num_documents=50", "logger=none"]
+
+
+def eight_features() -> TensorDataset:
+    """64 items of 8 features, 3 classes."""
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(64, 8, generator=g), torch.arange(64) % 3)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # values the constructors or numpy would meet with a traceback
+        (
+            [*MLP, "dataset.num_workers=-1"],
+            "dataset.num_workers=-1 is invalid: must be an integer ≥ 0",
+        ),
+        (
+            [*MLP, "dataset.num_samples=0"],
+            "dataset.num_samples=0 is invalid: must be an integer ≥ 1",
+        ),
+        ([*MLP, "seed=-1"], "seed=-1 is invalid: must be an integer in [0, 2**32)"),
+        ([*MLP, "seed=99999999999999999999"], "seed=99999999999999999999 is invalid: must be an"),
+        # errors that named the constructor, not the key
+        (
+            [*BERT, "model.hidden_size=abc"],
+            "model.hidden_size='abc' is invalid: must be an integer",
+        ),
+        (
+            [*MLP, "dataset.batch_size=abc"],
+            "dataset.batch_size='abc' is invalid: must be an integer",
+        ),
+        (
+            [*MLP, "dataset.num_classes=0"],
+            "dataset.num_classes=0 is invalid: must be an integer ≥ 1",
+        ),
+        ([*MLP, "dataset.validation_fraction=1.5"], "dataset.validation_fraction=1.5 is invalid"),
+        ([*BERT, "model.hidden_size=30", "model.num_attention_heads=4"], "must be a multiple of"),
+        ([*BERT, "dataset.seq_len=1024"], "dataset.seq_len=1024 is invalid: must be ≤ model.max_"),
+        # accepted although invalid
+        ([*MLP, "precision=fp16", "precision.grad_scaler.init_scale=inf"], "init_scale=inf is inv"),
+        (
+            [*MLP, "precision.grad_scaler.growth_factor=inf"],
+            "growth_factor=inf is invalid: must be",
+        ),
+        ([*MLP, "precision.fp32_modules=['']"], "precision.fp32_modules=[''] is invalid: module"),
+        (
+            [*MLP, "optim.optimizer.fused=maybe"],
+            "optim.optimizer.fused='maybe' is invalid: must be",
+        ),
+        (
+            [*BERT, "dataset.vocab_size=0"],
+            "dataset.vocab_size=0 is invalid: must be an integer ≥ 1",
+        ),
+        ([*BERT, "model.num_hidden_layers=-1"], "model.num_hidden_layers=-1 is invalid"),
+        ([*MLP, "model.hidden_size=0"], "model.hidden_size=0 is invalid: must be an integer ≥ 1"),
+        ([*MLP, "model.num_layers=-1"], "model.num_layers=-1 is invalid: must be an integer ≥ 1"),
+        # keys that nothing would read, however they were added
+        ([*MLP, "++trainer.max_stepz=5"], "trainer.max_stepz=5 is invalid: trainer has no key"),
+        ([*MLP, "++precision.grad_scaler.hysteresis=3"], "grad_scaler has no key 'hysteresis'"),
+        ([*MLP, "++model.widht=3"], "model.widht is not a key tasks.classification.MLPClassifier"),
+        ([*MLP, "++foo=1"], "foo=1 is invalid: not a key (allowed: precision, trainer,"),
+        # interpolations resolved before anything reads them
+        ([*MLP, "trainer.max_steps=${oc.env:UNSET_VAR}"], "trainer.max_steps: cannot resolve it"),
+        ([*MLP, "seed=${no.such.key}"], "cannot resolve it: Interpolation key 'no.such.key'"),
+        # a sweep: every job checked before the first starts, devices and imports too
+        (["-m", *MLP, "trainer.device=cpu,cuda:7"], "trainer.device=cuda:7 but CUDA is not"),
+        ([*MLP, "optim.optimizer._target_=no.such.Optimizer"], "optim.optimizer._target_=no.such"),
+        # messages that say what is allowed
+        (
+            [*MLP, "precision=staged", "precision.stages=[{mode:fp32,until:3},{mode:bf16}]"],
+            "Key 'until' not in 'StageConfig' (allowed: mode, until_step)",
+        ),
+        ([*MLP, "precision.mode=bf16", "model.activation=gélu"], "(quote a value with spaces or"),
+        ([*MLP, f"precision.mode={'x' * 5000}"], "x… (4882 more characters) is invalid"),
+    ],
+)
+def test_a_hostile_value_is_one_line_naming_the_key_before_anything_runs(args, message):
+    with pytest.raises(UserError) as e:
+        preflight(args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert len(str(e.value)) < 400
+
+
+def test_a_path_through_a_file_is_refused_before_hydra_makes_its_folder(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for where in ("a_file", "a_file/run"):
+        with pytest.raises(UserError, match=f"hydra.run.dir=.*{where} is invalid: .* is a file"):
+            preflight([*MLP, f"hydra.run.dir={tmp_path / where}"])
+    cache = make_cfg(*TINY_MLP, f"cache_dir={tmp_path / 'a_file'}")
+    with pytest.raises(UserError, match="cache_dir=.* is invalid: must be a folder"):
+        from runner.validation import validate
+
+        validate(cache)
+
+
+@pytest.mark.parametrize(
+    "features, classes, message",
+    [
+        (
+            5,
+            3,
+            "model.net (torch.nn.Linear) cannot take the dataset's items (a batch of 64: "
+            "input [64, 8]): mat1 and mat2 shapes cannot be multiplied (64x8 and 5x3)",
+        ),
+        (
+            8,
+            2,
+            "model.loss=cross_entropy: the dataset's targets reach class 2, but the net "
+            "predicts 2 classes (0–1): give the net 3 outputs, or check the targets",
+        ),
+    ],
+)
+def test_data_the_net_cannot_take_is_one_line_at_build_time(features, classes, message):
+    """One batch of the data goes through the user's net and the loss before training."""
+    cfg = make_cfg(
+        "model=module",
+        "model.net._target_=torch.nn.Linear",
+        f"+model.net.in_features={features}",
+        f"+model.net.out_features={classes}",
+        f"dataset.train._target_={__name__}.eight_features",
+        "logger=none",
+    )
+    with pytest.raises(UserError) as e:
+        build(cfg)
+    assert str(e.value) == message
+
+
+def test_a_failed_run_never_empties_an_earlier_runs_record(tmp_path):
+    run(make_cfg(*TINY_MLP, "trainer.max_steps=2", "trainer.val_check_interval=0"), tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    summary = (tmp_path / "summary.json").read_text()
+    assert len(read_metrics(tmp_path)) == 2
+    fresh = make_cfg(*TINY_MLP, "trainer.max_steps=3")
+    unbuildable = make_cfg(
+        "model=module", "model.net._target_=no.such.Net", "dataset.train._target_=no.such.data"
+    )
+    for cfg in (fresh, unbuildable):
+        with pytest.raises(UserError, match="holds an earlier run's metrics.jsonl: continue it"):
+            run(cfg, tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert (tmp_path / "summary.json").read_text() == summary
+
+
+def test_the_cli_says_one_line_and_exits_2_and_a_failed_sweep_job_exits_1(tmp_path):
+    proc = cli(*MLP, "trainer.max_steps=${oc.env:UNSET_VAR}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.max_steps: cannot")
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        *MLP,
+        "model.activation=gelu,relu",
+        "trainer.max_steps=2",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    statuses = [json.loads((sweep / j / "summary.json").read_text())["status"] for j in "01"]
+    assert statuses == ["completed", "failed"]
