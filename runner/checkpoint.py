@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -165,9 +166,12 @@ class Checkpointer:
         self.folder, self.dist = out_dir / "checkpoints", dist
         self.sharded, self.keep_last_k = sharded, keep_last_k
 
-    def save(self, state: dict, step: int, step_file: bool, params) -> None:
-        if not all(torch.isfinite(p).all() for p in params):
-            raise TrainingStopped(f"refusing to checkpoint non-finite weights at step {step}")
+    def save(self, state: dict, step: int, step_file: bool, tensors) -> None:
+        """`tensors`: (name, tensor) pairs of the state that must be finite to be saved."""
+        if bad := self._nonfinite(tensors):
+            raise TrainingStopped(
+                f"refusing to checkpoint non-finite state at step {step}: {bad} holds inf/NaN"
+            )
         names = ([f"step-{step}.pt"] if step_file else []) + ["last.pt"]
         if self.sharded:
             state["shards"] = self.dist.world
@@ -181,6 +185,16 @@ class Checkpointer:
             save(self.folder / name, state)
         if step_file:
             prune(self.folder, self.keep_last_k)
+
+    def _nonfinite(self, tensors) -> str | None:
+        """The first non-finite tensor's name, the same verdict on every rank: rank 0's under DDP
+        (its copy is saved; the others' BatchNorm statistics are their own), any rank's when
+        sharded."""
+        bad = first_nonfinite(tensors)
+        if not self.dist.enabled:
+            return bad
+        verdicts = distributed.gather(bad, self.dist)
+        return next(filter(None, verdicts), None) if self.sharded else verdicts[0]
 
     def state(self, trainer) -> dict:
         """A trainer's whole state: modules, precision (scaler, master weights), position,
@@ -199,12 +213,75 @@ class Checkpointer:
 
     def restore(self, trainer, state: dict) -> None:
         load_modules(state, trainer.task, trainer.optimizers, trainer.schedulers)
+        allowed = trainer.cfg.resume_across_precision
+        trainer.conversion = convert_precision(state, trainer.task, trainer.precision, allowed)
         trainer.step, trainer.samples_seen = state["step"], state["samples_seen"]
         trainer.precision.at_step(trainer.step)  # a staged run resumes in its stage
         trainer.precision.load_state_dict(state)
         trainer.skipped_steps = state.get("skipped_steps", 0)
         trainer.consecutive_skipped = state.get("consecutive_skipped", 0)
         restore_rng(state, self.dist)
+
+
+def first_nonfinite(tensors) -> str | None:
+    """The name of the first floating tensor of (name, tensor) pairs that holds inf or NaN."""
+    return next(
+        (name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()),
+        None,
+    )
+
+
+def convert_precision(state: dict, task: torch.nn.Module, precision, allowed: bool) -> dict | None:
+    """After the modules are loaded: a checkpoint written under another precision mode is
+    refused, or with `allowed` (trainer.resume_across_precision) converted for this run's mode;
+    returns what changed ({from, to, changes}, also said on the console), None for the same mode.
+    fp16_master's fp32 masters go into the weights, not their fp16 copies; this run's masters are
+    made from the checkpoint's weights; its GradScaler is dropped where this mode scales no loss."""
+    saved, mode = state.get("precision"), precision.name
+    if saved is None or saved == mode:
+        return None
+    if not allowed:
+        raise UserError(
+            f"the checkpoint was written under precision={saved}, this run is precision={mode}: "
+            f"resume with precision={saved}, or set trainer.resume_across_precision=true to "
+            "convert it"
+        )
+    # A sharded set (FSDP) loads through DCP, in this run's dtypes: it has no "model" to read.
+    model, params, changes = state.get("model", {}), dict(task.named_parameters()), []
+    masters, owners = state.get("master_weights") or [], []
+    if masters and not precision.master:
+        # fp16_master keeps a master for each trainable weight it cast to fp16, in model order
+        owners = [n for n, p in params.items() if p.requires_grad and model[n].dtype == torch.half]
+        if [model[n].shape for n in owners] != [m.shape for m in masters]:
+            raise UserError(
+                f"the precision={saved} checkpoint's fp32 master weights do not fit this model"
+            )
+        with torch.no_grad():
+            for name, master in zip(owners, masters, strict=True):
+                params[name].copy_(master)
+        changes.append(f"its fp32 master weights ({len(masters)}) loaded, not their fp16 copies")
+    elif precision.master and not masters:
+        names = {p: n for n, p in params.items()}
+        state["master_weights"] = [model[names[p]].float() for p in precision.master.masters]
+        changes.append("fp32 master weights made from its weights")
+    current = task.state_dict()
+    casts = Counter(
+        (_dtype(value), _dtype(current[key]))
+        for key, value in model.items()
+        if key not in owners and value.is_floating_point() and value.dtype != current[key].dtype
+    )
+    changes += [f"{n} tensors from {a} to {b}" for (a, b), n in casts.items()]
+    scaler, keeps_scaler = state.get("scaler"), precision.state_dict()["scaler"] is not None
+    if scaler and not keeps_scaler:
+        changes.append(f"its GradScaler (scale {scaler['scale']:g}) dropped: {mode} scales no loss")
+    elif keeps_scaler and not scaler:
+        changes.append("the GradScaler starts at precision.grad_scaler.init_scale")
+    console.say(f"resuming a precision={saved} checkpoint as {mode}: {'; '.join(changes)}")
+    return {"from": saved, "to": mode, "changes": changes}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _by_group(objects: dict) -> dict:

@@ -92,10 +92,12 @@ class TrainerConfig:
     gradient_clip_per_group: bool = True
     log_every_n_steps: int = 10
     val_check_interval: int = 100
-    limit_val_batches: int = 10
+    limit_val_batches: int = 10  # 0: no evaluation
     checkpoint_every_n_steps: int = 0
     keep_last_k: int = 3  # step-N.pt files kept (last.pt always)
     resume: str | None = None  # null | auto | path/to/checkpoint.pt
+    # A checkpoint from another precision mode: refused, or converted for this one (and said so).
+    resume_across_precision: bool = False
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
     # With several ranks (torchrun): ddp (replicated weights) or fsdp (FSDP2, sharded weights).

@@ -49,6 +49,18 @@ def _stats(value) -> tuple[bool, float] | None:
     return finite, largest
 
 
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module):
+    """The module's buffers are put back as they were found."""
+    saved = [b.clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved, strict=True):
+                buffer.copy_(value)
+
+
 def replay(
     task: Task,
     precision: Precision,
@@ -60,7 +72,8 @@ def replay(
     """Forward and backward of `window` again, as the step ran it (same autocast; the summed
     losses times `scale`, the step's loss scale over its normalisation), recording each leaf
     module's output, the gradient reaching that output (in backward order) and its parameters'
-    gradients. RNG and gradients are left as found: the caller keeps gradients it needs."""
+    gradients. RNG and buffers are left as found (the replay is a second train-mode forward, which
+    would update BatchNorm's running statistics again); the caller keeps gradients it needs."""
     leaves = [(n, m) for n, m in task.named_modules() if n and not list(m.children())]
     forward: list[tuple[str, bool, float]] = []
     backward: list[tuple[str, bool]] = []
@@ -78,7 +91,7 @@ def replay(
     ]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), buffers_kept(task):
             task.zero_grad(set_to_none=True)
             for batch in window:
                 with precision.autocast():

@@ -22,7 +22,7 @@ from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, compute_mode
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
-from runner.tracking import RunLog, open_tracker
+from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.trainer import Trainer
 from runner.validation import validate
 
@@ -100,6 +100,16 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         )
     resume = checkpoint.find_resume(cfg.trainer.resume, out)
     state = checkpoint.own_shard(*resume, ranks.rank, ranks.world) if resume else None
+    if state and state["step"] >= cfg.trainer.max_steps:
+        # A requeued job whose run had finished: it ends at once, and nothing is rewritten.
+        if done := finished_summary(out, state["step"]):
+            console.say(
+                f"{resume[0]} is at step {state['step']}: the run had finished "
+                f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
+            )
+            if ranks.main:
+                console.summary_table(done)
+            return done
     log = RunLog(
         out,
         open_tracker(cfg, out, state.get("wandb_run_id") if state else None)

@@ -169,7 +169,7 @@ class Meter:
         last = step == cfg.max_steps
         # The warm-up ends on an interval boundary, so steady timings start clean.
         warmup_end = step == self.first_step + cfg.benchmark.warmup_steps
-        every = cfg.val_check_interval
+        every = cfg.val_check_interval if cfg.limit_val_batches else 0  # 0 batches: no evaluation
         return {
             "log": step % cfg.log_every_n_steps == 0 or last or warmup_end,
             "eval": every > 0 and (step % every == 0 or last),
@@ -254,12 +254,14 @@ class Meter:
 
     def summary(self) -> dict:
         """The run's last values, its last and best evaluation, speed, memory and compile counts,
-        and the precision audit."""
+        and the precision audit. A rank other than 0 that resumed a finished run has no rows:
+        its last values are None."""
         graphs, breaks = compile_counts()
         evals = [r for r in self.rows if "eval_loss" in r]
+        last = self.rows[-1] if self.rows else {}
         return {
-            "final_loss": self.rows[-1]["loss"],
-            "final_grad_norm": self.rows[-1]["grad_norm"],
+            "final_loss": last.get("loss"),
+            "final_grad_norm": last.get("grad_norm"),
             **({k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else {}),
             **({"best_eval_loss": min(r["eval_loss"] for r in evals)} if evals else {}),
             **self.speed(),

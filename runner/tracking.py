@@ -124,6 +124,7 @@ class RunLog:
         self.tracker = tracker
         self.previous_rows: list[dict] = []
         self._metrics = None
+        self._last_row_at = 0  # where the last row logged starts in metrics.jsonl
         if not write:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,9 +143,20 @@ class RunLog:
         if self._metrics is None:
             return
         for row in rows:
+            self._last_row_at = self._metrics.tell()
             self._metrics.write(dumps(row) + "\n")
         self._metrics.flush()
         self._to_tracker("log", rows)
+
+    def amend_last(self, row: dict, added: dict) -> None:
+        """The last row logged, now with `added` (its step's evaluation, which came after the
+        row was written): rewritten in place; the tracker gets `added` at the row's step."""
+        if self._metrics is None:
+            return
+        self._metrics.truncate(self._last_row_at)
+        self._metrics.write(dumps(row) + "\n")
+        self._metrics.flush()
+        self._to_tracker("log", [{"step": row["step"], **added}])
 
     def _to_tracker(self, method: str, *args) -> None:
         if self.tracker is None:
@@ -170,6 +182,16 @@ class RunLog:
                 soft_wrap=True,
                 highlight=False,
             )
+
+
+def finished_summary(out_dir: Path, step: int) -> dict | None:
+    """The summary.json of a run that completed at `step`, or None (none, or another outcome)."""
+    try:
+        summary = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = isinstance(summary, dict) and summary.get("status") == "completed"
+    return summary if done and summary.get("steps") == step else None
 
 
 def open_tracker(cfg: DictConfig, out_dir: Path, run_id: str | None = None) -> WandbTracker | None:

@@ -17,7 +17,7 @@ from runner.checkpoint import Checkpointer
 from runner.console import ProgressBar
 from runner.diagnostics import Forensics
 from runner.distributed import Dist
-from runner.errors import Preempted
+from runner.errors import Preempted, first_line
 from runner.health import gradient_health
 from runner.precision import Precision, StepResult
 from runner.preemption import Preemption
@@ -62,6 +62,8 @@ class Trainer:
         self.step = self.samples_seen = self.skipped_steps = self.consecutive_skipped = 0
         self.lr = 0.0  # of the last step taken
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
+        self.eval_error: dict | None = None  # the step whose evaluation failed, and why
+        self.conversion: dict | None = None  # resumed from another precision: what changed
         self.meter = Meter(
             cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, task
         )
@@ -110,10 +112,13 @@ class Trainer:
         self.settle()
         rows = self.meter.flush(self.skipped_steps)
         if rows:
-            # Rank 0 evaluates while the others go on, unless the weights are sharded.
-            if due["eval"] and (self.dist.main or self.sharded):
-                rows[-1].update(self.evaluate())
+            # Written before evaluation: an evaluation that fails, or never returns, costs none.
             self.log.log_rows(rows)
+            # Rank 0 evaluates while the others go on, unless the weights are sharded.
+            if due["eval"] and self.eval_error is None and (self.dist.main or self.sharded):
+                if metrics := self._evaluate_or_warn():
+                    rows[-1].update(metrics)
+                    self.log.amend_last(rows[-1], metrics)
             last = rows[-1]
             bar.update(self.step, last["loss"], last["loss_scale"], last["samples_per_s"])
         if self._trouble:  # first non-finite step: nonfinite.json; too many in a row: stop
@@ -123,7 +128,9 @@ class Trainer:
             )
         preempted = self.preemption.poll()
         if due["checkpoint"] or due["last"] or preempted:
-            self.checkpointer.save(self.state_dict(), self.step, due["checkpoint"], self.params)
+            self.checkpointer.save(
+                self.state_dict(), self.step, due["checkpoint"], self._state_tensors()
+            )
         if preempted:
             raise Preempted(self.preemption.signal, self.step)
         self.meter.lap()
@@ -219,22 +226,38 @@ class Trainer:
     def _stuck(self) -> bool:
         return self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
 
+    def _evaluate_or_warn(self) -> dict[str, float]:
+        """The evaluation's metrics. An error inside it (the user's net or validation data) is
+        one warning line and `eval_error` in the summary, and evaluation is off for the rest of
+        the run: training goes on, its rows and checkpoints as without evaluation."""
+        try:
+            return self.evaluate()
+        except Exception as e:
+            self.eval_error = {"step": self.step, "error": first_line(e)}
+            console.say(
+                f"[yellow]warning:[/] evaluation at step {self.step} failed: {first_line(e)}; "
+                "training goes on without evaluation (summary.json: eval_error)"
+            )
+            return {}
+
     @torch.inference_mode()
     def evaluate(self) -> dict[str, float]:
         """Under inference_mode and the same autocast as training."""
         loader = self.data.val_loader(self.cfg.limit_val_batches)
         if loader is None:
             return {}
-        self.task.eval()
         sums: dict[str, torch.Tensor] = {}
         count = 0
-        with distributed.gathered(self.task, self.sharded):
-            for batch in loader:
-                count += self.task.num_targets(batch)
-                with self.precision.autocast():
-                    for key, value in self.task.eval_sums(self._to_device(batch)).items():
-                        sums[key] = sums.get(key, 0) + value.float()
-        self.task.train()
+        self.task.eval()
+        try:
+            with distributed.gathered(self.task, self.sharded):
+                for batch in loader:
+                    count += self.task.num_targets(batch)
+                    with self.precision.autocast():
+                        for key, value in self.task.eval_sums(self._to_device(batch)).items():
+                            sums[key] = sums.get(key, 0) + value.float()
+        finally:  # a failed evaluation leaves the task training, as a finished one does
+            self.task.train()
         totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
         return {f"eval_{key}": v for key, v in self.task.eval_metrics(totals, count).items()}
 
@@ -246,10 +269,18 @@ class Trainer:
         """Everything a checkpoint holds, so the run continues bit for bit."""
         self.checkpointer.restore(self, state)
 
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What a checkpoint must not hold non-finite: the trainable weights and the buffers
+        (BatchNorm's running statistics take a skipped step's forward in)."""
+        names = {p: n for n, p in self.task.named_parameters()}
+        return [(names[p], p) for p in self.params] + list(self.task.named_buffers())
+
     def summary(self) -> dict:
         return {
             "steps": self.step,
             "skipped_steps": self.skipped_steps,
             "final_loss_scale": self.precision.loss_scale,
             **self.meter.summary(),
+            **({"eval_error": self.eval_error} if self.eval_error else {}),
+            **({"resumed_across_precision": self.conversion} if self.conversion else {}),
         }
