@@ -65,6 +65,10 @@ class PrecisionConfig:
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
     # their inputs cast to fp32: for sensitive layers and ops that only support fp32.
     fp32_modules: list[str] = field(default_factory=list)
+    # Norm layers beyond those recognised (runner/precision/norms.py), by class name or module
+    # name (fnmatch patterns): their weights stay fp32 where a mode casts weights, FSDP gathers
+    # them in fp32.
+    norm_modules: list[str] = field(default_factory=list)
     # The dtype gradients are averaged over ranks in (DDP and FSDP): fp32, or bf16 (half the
     # traffic, rounded sums).
     reduce_dtype: str = "fp32"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from runner.errors import UserError
 from runner.precision.islands import is_island
-from runner.precision.master import NORM_LAYERS
+from runner.precision.norms import norm_layers
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch
         return task
     reduce_dtype = REDUCE_DTYPES[precision.cfg.reduce_dtype]
     if strategy == "fsdp":
-        _shard(task, precision.dtype if precision.requested != "staged" else None, reduce_dtype)
+        low = precision.dtype if precision.requested != "staged" else None
+        _shard(task, low, reduce_dtype, norm_layers(task, precision.cfg.norm_modules))
         return task
     if precision.master:
         return task
@@ -141,12 +142,17 @@ def _bf16_average(group, bucket):
     return future.then(back)
 
 
-# Under autocast these keep fp32 weights (autocast only casts matmul-like ops), so FSDP gathers
-# them in fp32 too: the same numerics as DDP for the same precision mode.
-FP32_UNDER_AUTOCAST = (*NORM_LAYERS, torch.nn.Embedding, torch.nn.EmbeddingBag)
+# Under autocast these and norm layers keep fp32 weights (autocast only casts matmul-like ops),
+# so FSDP gathers them in fp32 too: the same numerics as DDP for the same precision mode.
+FP32_UNDER_AUTOCAST = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
-def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.dtype) -> None:
+def _shard(
+    task: torch.nn.Module,
+    low: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    norms: set[torch.nn.Module],
+) -> None:
     """FSDP2 with the numerics of DDP under autocast. The task's shard units (its big blocks)
     gather their parameters in the mode's low precision (`low`, fixed at wrap time: a staged run
     gathers fp32 and autocasts), as autocast would cast them for their matmuls; inside them,
@@ -170,7 +176,9 @@ def _shard(task: torch.nn.Module, low: torch.dtype | None, reduce_dtype: torch.d
             if (
                 id(module) in covered
                 and id(module) not in in_islands
-                and (is_island(module) or isinstance(module, FP32_UNDER_AUTOCAST))
+                and (
+                    is_island(module) or module in norms or isinstance(module, FP32_UNDER_AUTOCAST)
+                )
             ):
                 fully_shard(module, mp_policy=fp32)
                 apart.add(id(module))

@@ -14,7 +14,7 @@ from rich.markup import escape
 from runner import console, distributed
 from runner.memory import local
 from runner.precision.islands import is_island
-from runner.precision.master import NORM_LAYERS
+from runner.precision.norms import norm_layers
 
 CASTS = {"fp16_master": "fp16", "bf16_true": "bf16"}
 MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
@@ -110,6 +110,7 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
     state = {p: s for opt in optimizers for p, s in opt.state.items()}
     policies = _fsdp_policies(task) if precision.sharded else {}
     modules = dict(task.named_modules())
+    norms = norm_layers(task, precision.cfg.norm_modules)  # the rule the casts follow
     islands = {p for m in modules.values() if is_island(m) for p in m.parameters()}  # and tied
     autocast = short(precision.dtype) or "off"
     rows: dict[str, dict] = {}
@@ -136,7 +137,7 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
             "autocast": "off (island)" if p in islands else autocast,
             "gather": (short(policy.param_dtype) or weights) if policy else None,
             "reduce": _reduce(model, precision, policy, grad, stand_in) if trains else None,
-            "norm": isinstance(module, NORM_LAYERS),
+            "norm": module in norms,
         }
         key = repr(sorted(row.items()))
         rows.setdefault(key, {"count": 0, "example": name, **row})["count"] += 1

@@ -371,6 +371,13 @@ def validate(cfg: DictConfig) -> None:
             list(p.fp32_modules),
             "module names or fnmatch patterns, none empty (an empty name is the whole model)",
         )
+    for pattern in p.norm_modules:
+        _require(
+            pattern.strip() != "",
+            "precision.norm_modules",
+            list(p.norm_modules),
+            "class names or fnmatch patterns of module names, none empty",
+        )
     _require(
         _integer(cfg.seed) and 0 <= cfg.seed < 2**32,
         "seed",

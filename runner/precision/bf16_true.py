@@ -23,8 +23,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from runner.precision.master import NORM_LAYERS
-
 
 def _cast_to(dtype: torch.dtype):
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -46,14 +44,15 @@ def _output_in(dtype: torch.dtype):
 
 
 def prepare(
-    task: nn.Module, islands: list[nn.Module], keep_norms_fp32: bool, update: str = "plain"
+    task: nn.Module, islands: list[nn.Module], norms: set[nn.Module], update: str = "plain"
 ) -> None:
     """Cast each module's own floating parameters and buffers to bf16, except in fp32 islands
-    (and their submodules) and, with `keep_norms_fp32`, norm layers; give every bf16 weight the
-    update rule it takes (`bf16_update`); install the casts at module boundaries."""
+    (and their submodules) and in `norms` (the norm layers, where they keep fp32); give every
+    bf16 weight the update rule it takes (`bf16_update`); install the casts at module
+    boundaries."""
     kept = {id(m) for island in islands for m in island.modules()}
     for module in task.modules():
-        norm = isinstance(module, NORM_LAYERS) and keep_norms_fp32
+        norm = module in norms
         if id(module) not in kept and not norm:
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer.is_floating_point():

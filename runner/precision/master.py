@@ -8,14 +8,6 @@ import torch
 
 from runner.errors import UserError
 
-# Norm layers keep fp32 weights in every mode that casts weights (fp16_master, FSDP's param dtype).
-NORM_LAYERS = (
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.RMSNorm,
-    torch.nn.modules.batchnorm._NormBase,
-)
-
 
 class MasterWeights:
     def __init__(self):
@@ -25,17 +17,14 @@ class MasterWeights:
         return bool(self.masters)
 
     def prepare(self, model: torch.nn.Module, keep: set[torch.nn.Parameter]) -> None:
-        """Cast the model's weights to fp16, except norm layers and `keep` (fp32 islands). Each
+        """Cast the model's weights to fp16, except `keep` (norm layers' and fp32 islands'). Each
         trainable one gets an fp32 copy, taken before the cast; frozen ones need none."""
-        for module in model.modules():
-            if isinstance(module, NORM_LAYERS):
+        for param in model.parameters():
+            if param.dtype != torch.float32 or param in keep or param in self.masters:
                 continue
-            for param in module.parameters(recurse=False):
-                if param.dtype != torch.float32 or param in keep or param in self.masters:
-                    continue
-                if param.requires_grad:
-                    self.masters[param] = torch.nn.Parameter(param.detach().clone())
-                param.data = param.data.half()
+            if param.requires_grad:
+                self.masters[param] = torch.nn.Parameter(param.detach().clone())
+            param.data = param.data.half()
 
     def stand_ins(self, params) -> list:
         """The parameters the optimizers update: the fp32 masters where there are any."""

@@ -16,6 +16,7 @@ from runner.precision.caps import DeviceCaps, compute_mode
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
+from runner.precision.norms import norm_layers
 from runner.precision.step import StepResult, optimizer_step
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -133,15 +134,20 @@ class Precision:
         fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32);
         for bf16_true, cast them to bf16 (islands, and norms unless told, stay fp32)."""
         islands.keep_fp32(model, fp32_modules, self.device.type)
+        norms = norm_layers(model, self.cfg.norm_modules)  # in every mode: a typo is an error
         if self.fp8:
             self.fp8.prepare(model, islands.find(model, fp32_modules))
         if self.mode == "fp16_master":
             kept = {p for m in islands.find(model, fp32_modules) for p in m.parameters()}
+            kept |= {p for m in norms for p in m.parameters(recurse=False)}
             self.master.prepare(model, kept)
         if self.mode == "bf16_true":
             c = self.cfg
             bf16_true.prepare(
-                model, islands.find(model, fp32_modules), c.keep_norms_fp32, c["update"]
+                model,
+                islands.find(model, fp32_modules),
+                norms if c.keep_norms_fp32 else set(),
+                c["update"],
             )
 
     def counting(self) -> contextlib.AbstractContextManager:
