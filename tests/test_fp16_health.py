@@ -53,7 +53,14 @@ def test_a_bf16_run_resumed_from_an_fp16_master_checkpoint_has_no_fp16_health(tm
     net = "model.net._target_=tests.test_own_model.Net"
     run(make_cfg(*COMMON, net, "precision=fp16_master", "trainer.max_steps=2"), tmp_path)
     capsys.readouterr()
-    resumed = make_cfg(*COMMON, net, "precision=bf16", "trainer.max_steps=4", "trainer.resume=auto")
+    resumed = make_cfg(
+        *COMMON,
+        net,
+        "precision=bf16",
+        "trainer.max_steps=4",
+        "trainer.resume=auto",
+        "trainer.resume_across_precision=true",  # fp16_master's masters into bf16's fp32 weights
+    )
     run(resumed, tmp_path)
     assert [r["precision"] for r in read_metrics(tmp_path)] == ["fp16_master"] * 2 + ["bf16"] * 2
     assert "fp16_health" not in json.loads((tmp_path / "summary.json").read_text())
