@@ -10,7 +10,8 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(PY) -m runner precision=bf16 model=bert
+	@start=$$(date +%s); $(PY) -m runner precision=bf16 model=bert; status=$$?; \
+	echo "make run: the main job took $$(( $$(date +%s) - start )) s"; exit $$status
 
 sweep: setup
 	$(PY) -m runner -m precision=fp32,fp16,bf16 model=bert

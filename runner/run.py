@@ -146,7 +146,6 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "precision": precision.name,
             "precision_requested": precision.requested,
             "precision_reason": precision.reason,
-            "cpu_kernels": precision.cpu_kernels,
             "device": str(device),
             "device_name": caps.name,
             "torch_version": torch.__version__,
@@ -186,6 +185,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         }
         summary |= trainer.fit()
+        summary["cpu_kernels"] = precision.cpu_kernels
         summary |= precision.memory(task)
         summary["memory"] = account(
             task,

@@ -50,9 +50,22 @@ def nothing_registered() -> bool:
     )
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp16", "fp16_master", "bf16_true", "fp8"])
-def test_fast_kernels_train_as_the_native_ones(tmp_path, mode):
-    """Per step: the loss within 1e-3, the grad norm within 1e-2, the loss scale identical."""
+# (mode, loss, grad norm): relative tolerances per step. Under autocast the two agree to a few
+# 1e-6 (loss) and 1e-4 (grad norm): tight enough to fail a kernel that truncates its outputs
+# instead of rounding them. With bf16 gradients (bf16_true, and fp8's torchao matmuls) one unit
+# of bf16's last place in a gradient moves the grad norm by up to 3e-3: the issue's 1e-2 holds.
+AGREEMENT = [
+    ("bf16", 1e-4, 1e-3),
+    ("fp16", 1e-4, 1e-3),
+    ("fp16_master", 1e-4, 1e-3),
+    ("bf16_true", 1e-3, 1e-2),
+    ("fp8", 1e-3, 1e-2),
+]
+
+
+@pytest.mark.parametrize(("mode", "loss_tol", "grad_tol"), AGREEMENT)
+def test_fast_kernels_train_as_the_native_ones(tmp_path, mode, loss_tol, grad_tol):
+    """Per step: the loss and the grad norm within tolerance, the loss scale identical."""
     summaries = {
         kernels: run(
             make_cfg(
@@ -70,8 +83,8 @@ def test_fast_kernels_train_as_the_native_ones(tmp_path, mode):
     fast, native = read_metrics(tmp_path / "fast"), read_metrics(tmp_path / "native")
     assert len(fast) == len(native) == 6
     for f, n in zip(fast, native, strict=True):
-        assert f["loss"] == pytest.approx(n["loss"], rel=1e-3)
-        assert f["grad_norm"] == pytest.approx(n["grad_norm"], rel=1e-2)
+        assert f["loss"] == pytest.approx(n["loss"], rel=loss_tol)
+        assert f["grad_norm"] == pytest.approx(n["grad_norm"], rel=grad_tol)
         assert f["loss_scale"] == n["loss_scale"]
 
 

@@ -1,8 +1,10 @@
 """The pairwise feature matrix: every pair of {precision} × {compile} × {fp32 island} ×
-{accumulation} × {single process, DDP, FSDP} × {gradient checkpointing} runs together in at least
-one tiny run of a user's net (`model=module`), and each run checks what its options promise:
+{accumulation} × {single process, DDP, FSDP} × {gradient checkpointing} × {CPU kernels} runs
+together in at least one tiny run of a user's net (`model=module`), and each run checks what its
+options promise:
 graphs compiled when compile is on, the island in fp32 (its module refuses to run otherwise, in
-the forward and in a checkpointed block's recomputation), a finite loss with no skipped step, the
+the forward and in a checkpointed block's recomputation), low-precision matmuls computed in fp32
+where the CPU kernels are fast (and never in fp32 runs), a finite loss with no skipped step, the
 loss scale where fp16 scales (carried across a staged run's bf16 stage), and fp32 runs that match
 the single-process reference step for step (the same global batch of 16 in every run)."""
 
@@ -30,30 +32,31 @@ STAGES = (
     "{mode:bf16,until_step:4},{mode:fp16}]"
 )
 
-# (precision, strategy, compile, island, accumulate, checkpointing): all pairs of values covered.
+# (precision, strategy, compile, island, accumulate, checkpointing, cpu_kernels): all pairs of
+# values covered.
 # Two pairs are refused, so left out: FSDP with fp16_master (FSDP's fp32 shards are already the
 # master weights) and with bf16_true (FSDP2 gathers one dtype per unit).
 REFUSED = {("fp16_master", "fsdp"), ("bf16_true", "fsdp")}
 MATRIX = [
-    ("fp32", "single", False, False, 1, False),
-    ("fp32", "ddp", True, True, 1, True),
-    ("fp32", "fsdp", False, True, 2, True),
-    ("bf16", "single", True, True, 2, False),
-    ("bf16", "ddp", False, False, 2, True),
-    ("bf16", "fsdp", True, False, 1, False),
-    ("fp16", "single", False, True, 1, True),
-    ("fp16", "ddp", True, False, 2, False),
-    ("fp16", "fsdp", True, True, 2, True),
-    ("staged", "single", True, False, 2, True),
-    ("staged", "ddp", False, True, 2, False),
-    ("staged", "fsdp", False, False, 1, True),
-    ("fp16_master", "single", True, True, 1, False),
-    ("fp16_master", "ddp", False, False, 2, True),
-    ("bf16_true", "single", True, True, 1, False),
-    ("bf16_true", "ddp", False, False, 2, True),
-    ("fp8", "single", True, False, 2, True),
-    ("fp8", "ddp", False, True, 1, False),
-    ("fp8", "fsdp", False, True, 2, False),
+    ("fp32", "single", False, False, 1, False, "native"),
+    ("fp32", "ddp", True, True, 1, True, "fast"),
+    ("fp32", "fsdp", False, True, 2, True, "fast"),
+    ("bf16", "single", True, True, 2, False, "fast"),
+    ("bf16", "ddp", False, False, 2, True, "fast"),
+    ("bf16", "fsdp", True, False, 1, False, "native"),
+    ("fp16", "single", False, True, 1, True, "fast"),
+    ("fp16", "ddp", True, False, 2, False, "fast"),
+    ("fp16", "fsdp", True, True, 2, True, "native"),
+    ("staged", "single", True, False, 2, True, "native"),
+    ("staged", "ddp", False, True, 2, False, "fast"),
+    ("staged", "fsdp", False, False, 1, True, "native"),
+    ("fp16_master", "single", True, True, 1, False, "native"),
+    ("fp16_master", "ddp", False, False, 2, True, "fast"),
+    ("bf16_true", "single", True, True, 1, False, "native"),
+    ("bf16_true", "ddp", False, False, 2, True, "fast"),
+    ("fp8", "single", True, False, 2, True, "native"),
+    ("fp8", "ddp", False, True, 1, False, "native"),
+    ("fp8", "fsdp", False, True, 2, False, "fast"),
 ]
 
 
@@ -90,7 +93,9 @@ class MatrixNet(nn.Module):
         return self.head(self.blocks(features))
 
 
-def _overrides(precision, strategy, compiled, island, accumulate, checkpointing) -> list[str]:
+def _overrides(
+    precision, strategy, compiled, island, accumulate, checkpointing, kernels
+) -> list[str]:
     world = 1 if strategy == "single" else WORLD
     out = [
         "model=module",
@@ -102,6 +107,7 @@ def _overrides(precision, strategy, compiled, island, accumulate, checkpointing)
         "trainer.progress_bar=false",
         "logger=none",
         f"precision={precision}",
+        f"precision.cpu_kernels={kernels}",
         f"trainer.compile={str(compiled).lower()}",
         f"trainer.accumulate_grad_batches={accumulate}",
         f"dataset.batch_size={GLOBAL_BATCH // world // accumulate}",
@@ -125,11 +131,11 @@ def _overrides(precision, strategy, compiled, island, accumulate, checkpointing)
 
 
 def _name(row) -> str:
-    precision, strategy, compiled, island, accumulate, checkpointing = row
+    precision, strategy, compiled, island, accumulate, checkpointing, kernels = row
     return (
         f"{precision}-{strategy}-{'compiled' if compiled else 'eager'}-"
         f"{'island' if island else 'noisland'}-acc{accumulate}"
-        f"{'-checkpointed' if checkpointing else ''}"
+        f"{'-checkpointed' if checkpointing else ''}-{kernels}"
     )
 
 
@@ -181,7 +187,7 @@ def matrix_runs(tmp_path_factory):
 @pytest.mark.xdist_group("matrix")  # one worker runs the whole matrix once (pytest -n)
 @pytest.mark.parametrize("row", MATRIX, ids=[_name(r) for r in MATRIX])
 def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
-    precision, strategy, compiled, island, accumulate, _ = row
+    precision, strategy, compiled, island, accumulate, _, kernels = row
     root, summaries = matrix_runs
     summary = summaries[row]
     if isinstance(summary, Exception):
@@ -196,6 +202,10 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
         assert summary["compiled_graphs"] >= 1, "compile on, nothing compiled"
     else:
         assert summary["compiled_graphs"] == 0
+    # what ran the low-precision matmuls (the fast kernels count what they compute in fp32)
+    assert summary["cpu_kernels"] == (
+        "fast" if kernels == "fast" and precision != "fp32" else "native"
+    )
     if island and precision != "fp32":  # the audited first step ran the island's matmuls in fp32
         assert summary["fp32_ops"], summary
     expected = _expected_scales(precision)
@@ -220,9 +230,10 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
 
 
 def test_the_matrix_covers_every_pair():
-    values = [sorted({r[i] for r in MATRIX}, key=str) for i in range(6)]
-    for i in range(6):
-        for j in range(i + 1, 6):
+    width = len(MATRIX[0])
+    values = [sorted({r[i] for r in MATRIX}, key=str) for i in range(width)]
+    for i in range(width):
+        for j in range(i + 1, width):
             seen = {(r[i], r[j]) for r in MATRIX}
             missing = [
                 (a, b)

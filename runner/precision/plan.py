@@ -159,9 +159,9 @@ class Precision:
 
     @property
     def cpu_kernels(self) -> str:
-        """What ran the low-precision matmuls: "fast" (computed in fp32, rounded) where some
-        stage's dtype is emulated so, else "native" (PyTorch's kernels; fp32 and tf32 runs too)."""
-        return "fast" if self.fast_kernels.dtypes else "native"
+        """What ran the low-precision matmuls so far: "fast" once the fast kernels computed one
+        in fp32, else "native" (PyTorch's kernels; fp32 and tf32 runs too)."""
+        return "fast" if self.fast_kernels.calls else "native"
 
     def emulates(self, mode: str) -> bool:
         """Whether `mode`'s low-precision matmuls compute in fp32 here (cpu_kernels=fast)."""
