@@ -6,17 +6,20 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from runner import console, distributed
+from runner import console, distributed, sharded
 from runner.distributed import Dist
 from runner.errors import TrainingStopped, UserError, first_line
 
 STEP_FILE = re.compile(r"step-(\d+)\.pt")
+# A sharded checkpoint (FSDP) is a folder, a set: step-N when a step checkpoint, else last-N.
+SET_DIR = re.compile(r"(step|last)-(\d+)")
 
 
 def save(path: Path, state: dict) -> None:
@@ -40,50 +43,56 @@ def save(path: Path, state: dict) -> None:
 
 def load(path: Path) -> dict:
     """`weights_only=True`: tensors, numbers, strings and containers only; a pickled payload is
-    refused, never run."""
+    refused, never run. A sharded set (a folder): its `state.pt` once its metadata, read as
+    safely, says the set is whole; the model and optimizer stay on disk until the run is built
+    (`"set"`: the folder they are read from)."""
+    if path.is_dir():
+        sharded.read_metadata(path)
+        return _read(path / "state.pt", {"step"}) | {"set": path}
+    return _read(path, {"model", "optimizer", "step"})
+
+
+def _read(path: Path, keys: set[str]) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"checkpoint not found: {path}") from None
     except Exception as e:  # a truncated zip, or a payload weights_only refuses
         raise UserError(f"checkpoint {path} cannot be loaded safely: {first_line(e)}") from None
-    if not isinstance(state, dict) or not {"model", "optimizer", "step"} <= state.keys():
+    if not isinstance(state, dict) or not keys <= state.keys():
         raise UserError(f"checkpoint {path} is not an amp-runner checkpoint")
     return state
 
 
 def prune(folder: Path, keep: int) -> None:
-    """Keep the newest `keep` step-N.pt files (and their shards)."""
+    """Keep the newest `keep` step-N.pt files."""
     steps = sorted(
         (int(m.group(1)), p) for p in folder.glob("step-*.pt") if (m := STEP_FILE.fullmatch(p.name))
     )
     for _, path in steps[:-keep]:
-        for shard in folder.glob(f"{path.stem}.shard*.pt"):
-            shard.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
 
 
-def shard_path(path: Path, rank: int) -> Path:
-    """Rank r's file of a sharded checkpoint (trainer.strategy=fsdp): last.shard1.pt, ..."""
-    return path if rank == 0 else path.with_name(f"{path.stem}.shard{rank}.pt")
+def discard(path: Path) -> None:
+    """Delete a sharded set, its commit first: a crash midway leaves an incomplete set, never one
+    that looks whole with shards missing."""
+    (path / sharded.COMMIT).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
-def own_shard(path: Path, state: dict, rank: int, world: int) -> dict:
-    """This rank's part of the checkpoint at `path`: the file itself unless it is sharded."""
-    shards = state.get("shards")
-    if not shards:
-        return state
-    if shards != world:
-        raise UserError(
-            f"checkpoint {path} is sharded over {shards} ranks: resume it with {shards} "
-            f"(this run has {world})"
-        )
-    own = load(shard_path(path, rank)) if rank else state
-    if own["step"] != state["step"]:
-        raise UserError(
-            f"checkpoint {path}: rank {rank}'s shard is from step {own['step']}, not {state['step']}"
-        )
-    return own
+def prune_sets(folder: Path, keep: int, newest: Path) -> None:
+    """Once `newest` is whole: it and the newest `keep` whole step-N sets stay; older last-N sets
+    and sets whose save never finished (a killed run's) go."""
+    sets = sorted(
+        (int(m.group(2)), m.group(1), p)
+        for p in folder.iterdir()
+        if p.is_dir() and (m := SET_DIR.fullmatch(p.name))
+    )
+    steps = [p for _, kind, p in sets if kind == "step" and (p / sharded.COMMIT).exists()]
+    kept = {newest, *steps[-keep:]}
+    for _, _, path in sets:
+        if path not in kept:
+            discard(path)
 
 
 def find_resume(spec: str | None, run_dir: Path) -> tuple[Path, dict] | None:
@@ -94,15 +103,15 @@ def find_resume(spec: str | None, run_dir: Path) -> tuple[Path, dict] | None:
     if spec != "auto":
         path = Path(spec).expanduser()
         return path, load(path)
-    # Newest first by file name alone, so that only one checkpoint is read when it is good
-    # (checkpoints can be gigabytes): last.pt, then step-N.pt by N descending. Shards
-    # (*.shardK.pt) match neither pattern and are read through their rank-0 file.
+    # Newest first by name alone, so that only one checkpoint is read when it is good
+    # (checkpoints can be gigabytes): last.pt, then step-N.pt and the sharded sets (step-N/,
+    # last-N/) by N descending.
     folder = run_dir / "checkpoints"
     steps = sorted(
         (
-            (int(m.group(1)), p)
-            for p in folder.glob("step-*.pt")
-            if (m := STEP_FILE.fullmatch(p.name))
+            (int(m.group(m.lastindex)), p)
+            for p in folder.glob("*-*")
+            if (m := STEP_FILE.fullmatch(p.name) or (p.is_dir() and SET_DIR.fullmatch(p.name)))
         ),
         reverse=True,
     )
@@ -159,8 +168,8 @@ def set_rng_state(state: dict) -> None:
 
 class Checkpointer:
     """Writes a run's checkpoints into `out_dir/checkpoints`: `last.pt`, and `step-N.pt` when asked (the
-    newest `keep_last_k` kept). Under FSDP every rank writes its shard, then rank 0 its file,
-    which names how many there are; otherwise rank 0 alone writes."""
+    newest `keep_last_k` kept); rank 0 alone writes. Under FSDP each checkpoint is a sharded set
+    instead (a folder, `step-N/` or `last-N/`) that every rank writes into."""
 
     def __init__(self, out_dir: Path, dist: Dist, sharded: bool, keep_last_k: int):
         self.folder, self.dist = out_dir / "checkpoints", dist
@@ -172,19 +181,30 @@ class Checkpointer:
             raise TrainingStopped(
                 f"refusing to checkpoint non-finite state at step {step}: {bad} holds inf/NaN"
             )
-        names = ([f"step-{step}.pt"] if step_file else []) + ["last.pt"]
         if self.sharded:
-            state["shards"] = self.dist.world
-            if not self.dist.main:
-                for name in names:
-                    save(shard_path(self.folder / name, self.dist.rank), state)
-            distributed.barrier(self.dist)
+            self._save_set(state, f"{'step' if step_file else 'last'}-{step}")
+            return
+        names = ([f"step-{step}.pt"] if step_file else []) + ["last.pt"]
         if not self.dist.main:
             return
         for name in names:
             save(self.folder / name, state)
         if step_file:
             prune(self.folder, self.keep_last_k)
+
+    def _save_set(self, state: dict, name: str) -> None:
+        """A new folder for each checkpoint, so the previous one is never written over: rank 0
+        clears a leftover of the same name (a killed run's) and writes all but the model and
+        optimizer (`state.pt`), then every rank writes its shards and DCP commits the set last."""
+        path = self.folder / name
+        modules = {key: state.pop(key) for key in ("model", "optimizer")}
+        if self.dist.main:
+            discard(path)
+            save(path / "state.pt", state | {"shards": self.dist.world})
+        distributed.barrier(self.dist)
+        sharded.save(path, modules, self.dist.enabled)
+        if self.dist.main:
+            prune_sets(self.folder, self.keep_last_k, path)
 
     def _nonfinite(self, tensors) -> str | None:
         """The first non-finite tensor's name, the same verdict on every rank: rank 0's under DDP
@@ -200,7 +220,7 @@ class Checkpointer:
         """A trainer's whole state: modules, precision (scaler, master weights), position,
         counters, every rank's RNG, and what the run adds (config, W&B run id)."""
         return {
-            **module_states(trainer.task, trainer.optimizers, trainer.schedulers),
+            **module_states(trainer.task, trainer.optimizers, trainer.schedulers, self.sharded),
             **trainer.precision.state_dict(),
             "step": trainer.step,
             "samples_seen": trainer.samples_seen,
@@ -212,7 +232,7 @@ class Checkpointer:
         }
 
     def restore(self, trainer, state: dict) -> None:
-        load_modules(state, trainer.task, trainer.optimizers, trainer.schedulers)
+        load_modules(state, trainer.task, trainer.optimizers, trainer.schedulers, self.sharded)
         allowed = trainer.cfg.resume_across_precision
         trainer.conversion = convert_precision(state, trainer.task, trainer.precision, allowed)
         trainer.step, trainer.samples_seen = state["step"], state["samples_seen"]
@@ -290,16 +310,43 @@ def _by_group(objects: dict) -> dict:
     return next(iter(states.values())) if len(states) == 1 else states
 
 
-def module_states(task: torch.nn.Module, optimizers: dict, schedulers: dict) -> dict:
-    return {
-        "model": task.state_dict(),
-        "optimizer": _by_group(optimizers),
-        "scheduler": _by_group(schedulers),
-    }
+def module_states(
+    task: torch.nn.Module, optimizers: dict, schedulers: dict, fsdp: bool = False
+) -> dict:
+    """FSDP: the model and optimizers by parameter name, as DCP saves them (every rank calls it)."""
+    modules = (
+        sharded.module_states(task, list(optimizers.values()))
+        if fsdp
+        else {"model": task.state_dict(), "optimizer": _by_group(optimizers)}
+    )
+    return {**modules, "scheduler": _by_group(schedulers)}
 
 
-def load_modules(state: dict, task: torch.nn.Module, optimizers: dict, schedulers: dict) -> None:
-    """The model, optimizers and schedules from a checkpoint; a mismatch is one clear error."""
+def _saved(state: dict, key: str, objects: dict) -> dict:
+    """A checkpoint's optimizers (or schedules) by group name, checked against the task's."""
+    saved = state[key] if len(objects) > 1 else {next(iter(objects)): state[key]}
+    if set(saved) != set(objects):
+        raise UserError(f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task")
+    return saved
+
+
+def load_modules(
+    state: dict, task: torch.nn.Module, optimizers: dict, schedulers: dict, fsdp: bool = False
+) -> None:
+    """The model, optimizers and schedules from a checkpoint; a mismatch is one clear error. A
+    sharded set loads into any layout, a single file into FSDP shards too (`fsdp`)."""
+    if "set" in state:
+        sharded.load(state["set"], task, list(optimizers.values()))
+    elif fsdp:
+        sharded.load_whole(state["model"], optimizers, _saved(state, "optimizer", optimizers), task)
+    else:
+        _load_whole(state, task, optimizers)
+    for name, saved in _saved(state, "scheduler", schedulers).items():
+        schedulers[name].load_state_dict(saved)
+
+
+def _load_whole(state: dict, task: torch.nn.Module, optimizers: dict) -> None:
+    """A single-file checkpoint into a model whose every rank holds all of it."""
     try:
         task.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -312,12 +359,8 @@ def load_modules(state: dict, task: torch.nn.Module, optimizers: dict, scheduler
             first_line(e),
         )
         raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
-    for key, objects in (("optimizer", optimizers), ("scheduler", schedulers)):
-        saved = state[key] if len(objects) > 1 else {next(iter(objects)): state[key]}
-        if set(saved) != set(objects):
-            raise UserError(f"the checkpoint's {key}s ({', '.join(saved)}) do not fit this task")
-        for name, obj in objects.items():
-            obj.load_state_dict(saved[name])
+    for name, saved in _saved(state, "optimizer", optimizers).items():
+        optimizers[name].load_state_dict(saved)
 
 
 def rng_states(dist: Dist) -> dict:

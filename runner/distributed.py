@@ -251,14 +251,18 @@ def sum_values(values: dict[str, torch.Tensor], d: Dist) -> dict[str, torch.Tens
     return dict(zip(values, summed.unbind(), strict=True))
 
 
-def count_over_ranks(count: int, d: Dist, device: torch.device) -> torch.Tensor | int:
-    """A host-side count summed over ranks (at least 1): on the device, so nobody waits."""
+def count_over_ranks(
+    count: int, flag: bool, d: Dist, device: torch.device
+) -> tuple[torch.Tensor | int, torch.Tensor]:
+    """A host-side count summed over ranks (at least 1), and how many ranks raised `flag`, in one
+    all-reduce on the device, so nobody waits (the flag's reader decides when to)."""
     if not d.enabled:
-        return max(1, count)
-    shared = torch.tensor(float(count))
+        return max(1, count), torch.tensor(float(flag))
+    shared = torch.tensor([float(count), float(flag)])
     if device.type == "cuda":  # a copy from pinned memory does not wait for the GPU
         shared = shared.pin_memory()
-    return sum_(shared.to(device, non_blocking=True), d).clamp(min=1)
+    summed = sum_(shared.to(device, non_blocking=True), d)
+    return summed[0].clamp(min=1), summed[1]
 
 
 def gather(obj, d: Dist) -> list:

@@ -1,6 +1,8 @@
 """Preemption: SIGTERM or SIGUSR1 (a cluster wants the machine back). The step in progress
-finishes; at the next flush point the run checkpoints and exits 75. With several ranks the
-signal may reach one of them only: every flush point asks all ranks, so all stop at one step."""
+finishes; the run then checkpoints and exits 75. With several ranks the signal may reach one of
+them only: each rank's flag travels with the step's token count (the all-reduce every step runs
+anyway), and every rank reads the sum when it books that step, so all stop at the same step,
+within one step of the signal."""
 
 from __future__ import annotations
 
@@ -8,18 +10,16 @@ import contextlib
 import signal
 import threading
 
-import torch
-
-from runner import distributed
 from runner.distributed import Dist
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption:
-    def __init__(self, dist: Dist, device: torch.device):
-        self.dist, self.device = dist, device
+    def __init__(self, dist: Dist):
+        self.dist = dist
         self.signal: str | None = None  # the signal this process received
+        self.heard = False  # some rank's flag arrived in a step's count
 
     @contextlib.contextmanager
     def installed(self):
@@ -38,13 +38,16 @@ class Preemption:
                 signal.signal(sig, handler)
 
     @property
-    def at_once(self) -> bool:
-        """One process needs nobody's word: it stops at the step it was signalled in."""
-        return not self.dist.enabled and self.signal is not None
+    def flag(self) -> bool:
+        """This rank's flag, sent with the next step's count."""
+        return self.signal is not None
 
-    def poll(self) -> bool:
-        """At a flush point, which every rank reaches at the same step: was any rank signalled?"""
-        if not self.dist.enabled:
-            return self.signal is not None
-        flag = torch.tensor(float(self.signal is not None), device=self.device)
-        return bool(distributed.sum_(flag, self.dist).item())
+    def hear(self, ranks_signalled: float) -> None:
+        """A booked step's count said how many ranks had been signalled."""
+        self.heard = self.heard or ranks_signalled > 0
+
+    @property
+    def requested(self) -> bool:
+        """Stop now: one process needs nobody's word; several ranks decide on what every one of
+        them has heard, the same at the same step."""
+        return self.heard if self.dist.enabled else self.signal is not None

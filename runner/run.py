@@ -99,7 +99,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "or give this run a folder of its own (hydra.run.dir=...)"
         )
     resume = checkpoint.find_resume(cfg.trainer.resume, out)
-    state = checkpoint.own_shard(*resume, ranks.rank, ranks.world) if resume else None
+    state = resume[1] if resume else None
     if state and state["step"] >= cfg.trainer.max_steps:
         # A requeued job whose run had finished: it ends at once, and nothing is rewritten.
         if done := finished_summary(out, state["step"]):

@@ -36,6 +36,7 @@ class PendingStep:
     first_sample: int
     norm: torch.Tensor | int  # the window's target count, over all ranks
     loss_scale: torch.Tensor
+    signalled: Callable[[], float]  # how many ranks had a preemption signal when it began
 
 
 class Trainer:
@@ -69,7 +70,7 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
-        self.preemption = Preemption(self.dist, device)
+        self.preemption = Preemption(self.dist)
         self._unsettled: PendingStep | None = None  # the last step, until its flag is read
         self._trouble: tuple[PendingStep, dict | None] | None = None  # skipped: report or stop
 
@@ -100,7 +101,7 @@ class Trainer:
                         self.step, *stepped, window, data_wait, self.lr, self.precision.mode
                     )
                 due = self.meter.due(self.step)
-                stop_now = stepped is None or self.preemption.at_once
+                stop_now = stepped is None or self.preemption.requested
                 if not (any(due.values()) or self._trouble or stop_now):
                     continue
                 self._flush(due, bar)
@@ -126,7 +127,7 @@ class Trainer:
             self.forensics.on_skipped(
                 *trouble, self.meter.rows, self.consecutive_skipped, self._stuck
             )
-        preempted = self.preemption.poll()
+        preempted = self.preemption.requested
         if due["checkpoint"] or due["last"] or preempted:
             self.checkpointer.save(
                 self.state_dict(), self.step, due["checkpoint"], self._state_tensors()
@@ -142,7 +143,10 @@ class Trainer:
         # Every loss is divided by the window's target count (masked tokens for MLM) over all
         # ranks, so k micro-batches of b give the gradient of one batch of k·b.
         count = sum(self.task.num_targets(b) for b in window)  # host-side: no device sync
-        norm = distributed.count_over_ranks(count, self.dist, self.device)
+        # The preemption flag travels with it: every rank learns of a signal to any one of them.
+        norm, signalled = distributed.count_over_ranks(
+            count, self.preemption.flag, self.dist, self.device
+        )
         totals = self._forward_backward(window, norm)
         # This step's work is queued: waiting for the previous step's flag leaves no gap.
         self.settle()
@@ -166,6 +170,7 @@ class Trainer:
             self.samples_seen,
             norm,
             result.loss_scale,
+            read_later(signalled),
         )
         return totals, result
 
@@ -210,6 +215,7 @@ class Trainer:
         if self._unsettled is None:
             return
         pending, self._unsettled = self._unsettled, None
+        self.preemption.hear(pending.signalled())
         if not pending.skipped():
             self.consecutive_skipped = 0
             for scheduler in self.schedulers.values():
