@@ -123,11 +123,8 @@ def recommend(health: dict, history: dict, init_scale: float, growth_interval: i
     headroom = health.get("gradient_headroom_log2")  # the largest gradient stays finite, ×2 spare
     ceiling = 2.0 ** (math.floor(headroom) - 1) if headroom is not None else math.inf
     if skipped == steps:
-        fix = (
-            f"precision.grad_scaler.init_scale={init_scale:g} can never give a finite step: "
-            "use a finite one (GradScaler's default is 65536)"
-            if not math.isfinite(init_scale)
-            else f"lower precision.grad_scaler.init_scale to {ceiling:g}"
+        fix = (  # (an infinite init_scale is refused before the run)
+            f"lower precision.grad_scaler.init_scale to {ceiling:g}"
             if ceiling < history["scale_final"]
             else "lower precision.grad_scaler.init_scale, or use bf16"
         )

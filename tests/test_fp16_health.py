@@ -79,11 +79,12 @@ def test_skipped_steps_are_named_in_the_advice_not_called_ok(tmp_path):
     assert ceiling < min(r["loss_scale"] for r in rows if r["skipped"])
 
 
-def test_an_infinite_init_scale_skips_every_step_and_says_so(tmp_path):
-    summary, rows = fp16_run(tmp_path, "precision.grad_scaler.init_scale=inf")
+def test_a_scale_past_every_gradient_skips_every_step_and_says_so(tmp_path):
+    """(init_scale=inf itself is refused before the run: tests/test_hostile.py.)"""
+    summary, rows = fp16_run(tmp_path, "precision.grad_scaler.init_scale=1e38")
     assert all(r["skipped"] for r in rows) and len(rows) == 4
     advice = summary["fp16_health"]["recommendation"]
-    assert advice.startswith("precision.grad_scaler.init_scale=inf can never give a finite step")
+    assert advice.startswith("lower precision.grad_scaler.init_scale to ")
     assert "every one of the 4 loss-scaled steps was skipped" in advice
 
 
