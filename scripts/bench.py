@@ -1,4 +1,4 @@
-"""Benchmarks (they print figures, they assert nothing): two parts, measured in one process.
+"""Benchmarks (they print figures, they assert nothing): three parts.
 
 1. The precision table: the runner's training steps (through `Trainer.fit`, as a run takes them)
    in fp32, tf32, fp16 and bf16 for BERT, ResNet and GPT: samples/s and the speedup over fp32
@@ -7,29 +7,39 @@
    (autocast → loss / targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same
    model, initial weights and data (both load their batches through the data's loader), fp32
    and bf16; with `--compile`, each side's count of compiled graphs.
+3. fp16_master's own gradient averaging over 2 gloo ranks (it is not DDP-wrapped): its buckets
+   (one foreach add per micro-batch, one all-reduce per bucket) against one blocking all-reduce
+   per gradient tensor and a Python loop of add_, as it was. Each timing is the runner's whole
+   fp16_master step (Precision.backward and Precision.step, on the model's batches) with one or
+   the other swapped in, and the accumulation and averaging alone on that model's gradients.
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
 medians over rounds; ratios are medians of per-round ratios (pairs timed back to back). The
 runner's side is timed by runner/interleave.py, as the comparison's runner.speed=interleaved is.
 
-    python scripts/bench.py                       # both parts
+    python scripts/bench.py                       # the first two parts, in one process
     python scripts/bench.py --part table --models bert --compile
     python scripts/bench.py --part ratio --steps 50 --rounds 5 model.num_hidden_layers=2
+    python scripts/bench.py --part reduce --rounds 5 precision.reduce_dtype=bf16
 
-Extra positional arguments are Hydra overrides for the runner-against-bare part.
+Extra positional arguments are Hydra overrides for the runner-against-bare and reduce parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,8 +52,9 @@ from runner.interleave import (
     trainer_timer,
     workspace,
 )
-from runner.precision import DeviceCaps
-from runner.run import resolve_device
+from runner.optim import build_optimizers
+from runner.precision import DeviceCaps, Precision, master, plan
+from runner.run import build, resolve_device, seed_everything
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import compile_counts
 from runner.validation import validate
@@ -203,7 +214,8 @@ def precision_table(args) -> None:
     for model in args.models.split(","):
         with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
             cfg = compose(
-                "config", overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"]
+                "config",
+                overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"],
             )
         # fp32 first: the speedups are against the first mode.
         order = sorted(modes, key=lambda m: m != "fp32")
@@ -220,9 +232,173 @@ def precision_table(args) -> None:
     )
 
 
+# Many small tensors (74), as a transformer has, and little compute between the collectives (as
+# on a GPU): the case where a collective per tensor costs.
+REDUCE_OVERRIDES = [
+    "model=bert",
+    "model.hidden_size=64",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=256",
+    "model.dropout=0",
+    "dataset.batch_size=2",
+    "dataset.seq_len=32",
+    "dataset.num_documents=400",
+    "precision=fp16_master",
+    "trainer.accumulate_grad_batches=2",
+    "trainer.device=cpu",
+]
+REDUCE_WORLD = 2
+
+
+def _accumulate_per_tensor(self: master.MasterWeights) -> None:
+    """fp16_master's accumulation as it was: a Python loop of add_ over the tensors."""
+    for param, fp32 in self.masters.items():
+        if param.grad is None:
+            continue
+        if fp32.grad is None:
+            fp32.grad = param.grad.float()
+        else:
+            fp32.grad.add_(param.grad)
+        param.grad = None
+
+
+def _average_per_tensor(grads: list[torch.Tensor], world: int, dtype: torch.dtype) -> None:
+    """fp16_master's averaging as it was: one blocking all-reduce per tensor (a copy each in bf16)."""
+    for grad in grads:
+        sent = grad.to(dtype)
+        dist.all_reduce(sent)
+        if sent is not grad:
+            grad.copy_(sent)
+    torch._foreach_div_(grads, world)
+
+
+AVERAGING = {
+    "per-tensor": (_accumulate_per_tensor, _average_per_tensor),
+    "bucketed": (master.MasterWeights.accumulate, master.average_over_ranks),
+}
+
+
+def _reduce_rank(rank: int, port: int, args, results) -> None:
+    """One of REDUCE_WORLD gloo ranks: times both averagings in alternating rounds (every rank
+    runs the same sequence: the timings are collectives). Rank 0 reports."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=REDUCE_WORLD)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // REDUCE_WORLD))
+    with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=REDUCE_OVERRIDES + args.overrides)
+    validate(cfg)
+    device = torch.device("cpu")
+    seed_everything(cfg.seed)
+    data, task = build(cfg)
+    task.to(device)
+    precision = Precision(cfg.precision, device, world=REDUCE_WORLD)
+    precision.prepare(task, cfg.precision.fp32_modules)
+    groups = precision.optimizer_groups(task.parameter_groups())
+    optimizers, _ = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
+    optimizers = list(optimizers.values())
+    params = [p for p in task.parameters() if p.requires_grad]
+    batches = iter(data.train_loader(0, rank, REDUCE_WORLD))
+    micro = cfg.trainer.accumulate_grad_batches
+
+    def step() -> None:
+        """The runner's fp16_master step: micro-batches' backward, then the optimizer step."""
+        window = [next(batches) for _ in range(micro)]
+        norm = sum(task.num_targets(b) for b in window) * REDUCE_WORLD
+        for batch in window:
+            with precision.autocast():
+                loss = task(batch) / norm
+            precision.backward([loss])
+        precision.step(optimizers, params, cfg.trainer.gradient_clip_val)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    # The averaging alone: this model's gradients, fp16 as backward leaves them, accumulated
+    # over the window's micro-batches, then averaged over the ranks.
+    fp16_grads = [torch.randn_like(p) for p in params]
+    fp32 = precision.master.stand_ins(params)
+    low = torch.bfloat16 if cfg.precision.reduce_dtype == "bf16" else torch.float32
+
+    def averaging() -> None:
+        for _ in range(micro):
+            for p, g in zip(params, fp16_grads, strict=True):
+                p.grad = g.clone()
+            precision.master.accumulate()
+        plan.average_over_ranks([p.grad for p in fp32 if p.grad is not None], REDUCE_WORLD, low)
+        for p in fp32:
+            p.grad = None
+
+    def timer(variant: str, work) -> Callable[[], float]:
+        def ms_per_step() -> float:
+            master.MasterWeights.accumulate, plan.average_over_ranks = AVERAGING[variant]
+            for _ in range(args.warmup):
+                work()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                work()
+            dist.barrier()
+            return (time.perf_counter() - start) / args.steps * 1e3
+
+        return ms_per_step
+
+    timers = {
+        (part, v): timer(v, work)
+        for part, work in (("step", step), ("averaging", averaging))
+        for v in AVERAGING
+    }
+    figures = alternate(timers, args.rounds)
+    if rank == 0:
+        results.put(
+            {
+                "figures": figures,
+                "tensors": len(params),
+                "params": sum(p.numel() for p in params),
+                "micro": micro,
+                "reduce_dtype": cfg.precision.reduce_dtype,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    dist.destroy_process_group()
+
+
+def master_reduce(args) -> None:
+    context = multiprocessing.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = context.Queue()
+    procs = [
+        context.Process(target=_reduce_rank, args=(r, port, args, results))
+        for r in range(REDUCE_WORLD)
+    ]
+    for p in procs:
+        p.start()
+    out = results.get()
+    for p in procs:
+        p.join()
+    figures = out["figures"]
+    print(
+        f"fp16_master over {REDUCE_WORLD} gloo ranks ({out['threads']} threads each): "
+        f"{out['tensors']} gradient tensors, {out['params'] / 1e6:.2f}M params, "
+        f"{out['micro']} micro-batches a step, reduce_dtype={out['reduce_dtype']}"
+    )
+    print(
+        f"{args.steps} timed steps after {args.warmup} warm-up per timing; medians over "
+        f"{args.rounds} rounds (ratio: median of per-round ratios)\n"
+    )
+    print(f"{'timing':<11} {'per-tensor ms':>14} {'bucketed ms':>12} {'per-tensor/bucketed':>20}")
+    for part in ("step", "averaging"):
+        old, new = figures[part, "per-tensor"], figures[part, "bucketed"]
+        print(
+            f"{part:<11} {statistics.median(old):>14.2f} {statistics.median(new):>12.2f} "
+            f"{median_ratio(old, new):>20.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("both", "table", "ratio"), default="both")
+    parser.add_argument("--part", choices=("both", "table", "ratio", "reduce"), default="both")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timing")
     parser.add_argument("--rounds", type=int, default=3)
@@ -241,6 +417,8 @@ def main() -> None:
         precision_table(args)
     if args.part in ("both", "ratio"):
         runner_vs_bare(args)
+    if args.part == "reduce":
+        master_reduce(args)
 
 
 if __name__ == "__main__":

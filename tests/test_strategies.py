@@ -3,6 +3,9 @@ of DDP for the same precision mode, and `precision.reduce_dtype` is honoured by 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+
 import pytest
 
 from tests.helpers import TINY_BERT, read_metrics
@@ -39,9 +42,30 @@ def test_fsdp_trains_like_ddp_in_bf16_and_reduce_dtype_is_honoured(tmp_path):
         assert rounded == pytest.approx(grads, rel=2e-2) and rounded != grads
 
 
+def record_all_reduces(rank: int) -> Callable[[], dict]:
+    """A spy on torch.distributed.all_reduce (it still runs): the size of each tensor sent."""
+    import torch.distributed as dist
+
+    sizes, all_reduce = [], dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+
+    def figures() -> dict:
+        taken = sizes[:]
+        sizes.clear()
+        return {"all_reduce_sizes": taken}
+
+    return figures
+
+
 def test_fp16_master_averages_its_fp32_gradients_over_ranks(tmp_path):
     """fp16_master is not DDP-wrapped: it averages its fp32 master gradients itself, once per
-    window. 2 ranks × batch 4 × 2 micro-batches ≡ 1 process × batch 8 × 2, to fp16 rounding."""
+    window, all of them flattened into one all-reduce (this model is far below a bucket).
+    2 ranks × batch 4 × 2 micro-batches ≡ 1 process × batch 8 × 2, to fp16 rounding."""
     from runner.run import run
     from tests.helpers import TINY_MLP, make_cfg
 
@@ -54,8 +78,14 @@ def test_fp16_master_averages_its_fp32_gradients_over_ranks(tmp_path):
         "trainer.val_check_interval=0",
         "optim.optimizer.eps=1e-4",
     ]
-    run_ranks([([*common, "dataset.batch_size=4"], tmp_path / "ddp")])
+    [reports] = run_ranks(
+        [([*common, "dataset.batch_size=4"], tmp_path / "ddp")], spy=record_all_reduces
+    )
     run(make_cfg(*common, "dataset.batch_size=8"), tmp_path / "one")
+    parameters = json.loads((tmp_path / "ddp" / "summary.json").read_text())["parameters"]
+    # the others are the step's scalars: token count and preemption flag, losses
+    sent = [n for n in reports[0]["all_reduce_sizes"] if n > 2]
+    assert sent == [parameters] * 4
     for a, b in zip(read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "one"), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)

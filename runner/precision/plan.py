@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
@@ -15,7 +14,7 @@ from runner.precision import bf16_true, islands
 from runner.precision.caps import DeviceCaps, compute_mode
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.fp8 import Float8
-from runner.precision.master import MasterWeights
+from runner.precision.master import MasterWeights, average_over_ranks
 from runner.precision.norms import norm_layers
 from runner.precision.step import StepResult, optimizer_step
 
@@ -230,12 +229,7 @@ class Precision:
         """fp16_master under several ranks: the fp32 gradients, averaged as DDP would, in
         `reduce_dtype` (bf16: sent and summed in bf16, then back to fp32)."""
         low = self.cfg.reduce_dtype == "bf16"
-        for grad in grads:  # fp32, whatever the weights are
-            sent = grad.to(torch.bfloat16) if low else grad
-            dist.all_reduce(sent)
-            if low:
-                grad.copy_(sent)
-        torch._foreach_div_(grads, self.world)
+        average_over_ranks(grads, self.world, torch.bfloat16 if low else torch.float32)
 
     @property
     def loss_scale(self) -> float:
