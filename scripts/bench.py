@@ -1,4 +1,4 @@
-"""Benchmarks (they print figures, they assert nothing): three parts.
+"""Benchmarks (they print figures, they assert nothing): four parts.
 
 1. The precision table: the runner's training steps (through `Trainer.fit`, as a run takes them)
    in fp32, tf32, fp16 and bf16 for BERT, ResNet and GPT: samples/s and the speedup over fp32
@@ -12,6 +12,10 @@
    per gradient tensor and a Python loop of add_, as it was. Each timing is the runner's whole
    fp16_master step (Precision.backward and Precision.step, on the model's batches) with one or
    the other swapped in, and the accumulation and averaging alone on that model's gradients.
+4. precision.cpu_kernels on a CPU: the main job's wall time (`python -m runner precision=bf16
+   model=bert`, as `make run` runs it), the main job's BERT step in bf16 and fp16 against fp32,
+   and `fast` against `native` over 20 steps of BERT, GPT and the UNet in bf16 and fp16: the
+   largest relative loss and grad-norm difference of a step, and the loss-scale histories.
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
@@ -22,6 +26,7 @@ runner's side is timed by runner/interleave.py, as the comparison's runner.speed
     python scripts/bench.py --part table --models bert --compile
     python scripts/bench.py --part ratio --steps 50 --rounds 5 model.num_hidden_layers=2
     python scripts/bench.py --part reduce --rounds 5 precision.reduce_dtype=bf16
+    python scripts/bench.py --part kernels
 
 Extra positional arguments are Hydra overrides for the runner-against-bare and reduce parts.
 """
@@ -29,14 +34,21 @@ Extra positional arguments are Hydra overrides for the runner-against-bare and r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
+import json
 import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,7 +66,7 @@ from runner.interleave import (
 )
 from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, master, plan
-from runner.run import build, resolve_device, seed_everything
+from runner.run import build, resolve_device, run, seed_everything
 from runner.task import Batch, DataModule, Task
 from runner.telemetry import compile_counts
 from runner.validation import validate
@@ -214,8 +226,7 @@ def precision_table(args) -> None:
     for model in args.models.split(","):
         with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
             cfg = compose(
-                "config",
-                overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"],
+                "config", overrides=[*TABLE_MODELS[model], f"trainer.compile={args.compile}"]
             )
         # fp32 first: the speedups are against the first mode.
         order = sorted(modes, key=lambda m: m != "fp32")
@@ -396,9 +407,93 @@ def master_reduce(args) -> None:
         )
 
 
+KERNEL_MODELS = ("bert", "gpt", "unet")  # each at its config's own size
+KERNEL_STEPS = 20
+
+
+def _kernel_runs(model: str, mode: str, root: Path) -> dict[str, tuple[list[dict], float]]:
+    """The same 20 steps with precision.cpu_kernels=fast and =native: per kernels, the rows of
+    metrics.jsonl and the wall time of the run."""
+    out = {}
+    for kernels in ("fast", "native"):
+        with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+            cfg = compose(
+                "config",
+                overrides=[
+                    f"model={model}",
+                    f"precision={mode}",
+                    f"precision.cpu_kernels={kernels}",
+                    f"trainer.max_steps={KERNEL_STEPS}",
+                    "trainer.log_every_n_steps=1",
+                    "trainer.val_check_interval=0",
+                    "trainer.progress_bar=false",
+                    "logger=none",
+                ],
+            )
+        folder = root / f"{model}-{mode}-{kernels}"
+        start = time.perf_counter()
+        quiet = io.StringIO()  # each run's opening lines and summary table
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            run(cfg, folder)
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        out[kernels] = rows, time.perf_counter() - start
+    return out
+
+
+def cpu_kernels(args) -> None:
+    """precision.cpu_kernels on this CPU: the main job's wall time as `make run` runs it, the
+    main job's BERT step in bf16 and fp16 (auto: fast where the CPU lacks the units) against
+    fp32, and fast against native over 20 steps of BERT, GPT and the UNet."""
+    caps = DeviceCaps.probe(torch.device("cpu"))
+    print(f"{caps.name}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    for mode in ("bf16", "fp16"):
+        print(f"  {mode}: {caps.support(mode)[1]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "runner", "precision=bf16", "model=bert"]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=tmp, capture_output=True, text=True)
+        took = time.perf_counter() - start
+        status = "completed" if done.returncode == 0 else f"failed ({done.returncode})"
+        print(f"\nmain job, `python -m runner precision=bf16 model=bert`: {took:.0f} s, {status}")
+
+        with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=["model=bert", "trainer.progress_bar=false"])
+        configs = {
+            m: OmegaConf.merge(cfg, {"precision": {"mode": m}}) for m in ("fp32", "bf16", "fp16")
+        }
+        figures = time_configs(configs, args.rounds, args.steps, args.warmup)
+        print(
+            f"\nthe main job's BERT step, {args.steps} timed steps after {args.warmup} warm-up, "
+            f"medians over {args.rounds} rounds (cpu_kernels=auto)"
+        )
+        print(f"{'precision':<10} {'step ms':>8} {'× fp32':>7}")
+        for mode, f in figures.items():
+            print(f"{mode:<10} {f['step_time_s'] * 1e3:>8.1f} {1 / f['speedup']:>6.2f}×")
+
+        print(f"\nfast against native, {KERNEL_STEPS} steps each (relative differences per step)")
+        print(
+            f"{'model':<6} {'precision':<10} {'max loss Δ':>11} {'max grad norm Δ':>16} "
+            f"{'loss scales':>12} {'fast s':>7} {'native s':>9}"
+        )
+        for model in KERNEL_MODELS:
+            for mode in ("bf16", "fp16"):
+                runs = _kernel_runs(model, mode, Path(tmp))
+                (fast, fast_s), (native, native_s) = runs["fast"], runs["native"]
+                pairs = list(zip(fast, native, strict=True))
+                loss = max(abs(f["loss"] / n["loss"] - 1) for f, n in pairs)
+                norm = max(abs(f["grad_norm"] / n["grad_norm"] - 1) for f, n in pairs)
+                same = [r["loss_scale"] for r in fast] == [r["loss_scale"] for r in native]
+                print(
+                    f"{model:<6} {mode:<10} {loss:>11.1e} {norm:>16.1e} "
+                    f"{'identical' if same else 'DIFFER':>12} {fast_s:>7.1f} {native_s:>9.1f}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("both", "table", "ratio", "reduce"), default="both")
+    parser.add_argument(
+        "--part", choices=("both", "table", "ratio", "reduce", "kernels"), default="both"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timing")
     parser.add_argument("--rounds", type=int, default=3)
@@ -419,6 +514,8 @@ def main() -> None:
         runner_vs_bare(args)
     if args.part == "reduce":
         master_reduce(args)
+    if args.part == "kernels":
+        cpu_kernels(args)
 
 
 if __name__ == "__main__":

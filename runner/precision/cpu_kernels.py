@@ -1,7 +1,7 @@
 """precision.cpu_kernels: bf16/fp16 numerics at fp32 speed on a CPU without bf16/fp16 units.
 
 On a CPU without AMX or AVX512-BF16/FP16, PyTorch's bf16 and fp16 matmuls and convolutions run
-scalar fallbacks, 18-40x slower than fp32. What they compute is fp32 arithmetic on low-precision
+scalar fallbacks, 20-200x slower than fp32. What they compute is fp32 arithmetic on low-precision
 inputs (a product of two bf16 or fp16 values is exact in fp32, and the kernels accumulate in
 fp32, as GPUs do), rounded once to the output's dtype. `fast` computes just that: the inputs cast
 to fp32, PyTorch's fp32 kernel, the output rounded to the op's dtype. Results agree with the
