@@ -110,7 +110,9 @@ def test_norms_and_islands_stay_fp32_and_the_forward_casts_at_their_edges(keep_n
     out = task(torch.randn(3, 4))  # fp32 features: the first layer takes them in bf16
     assert seen == {"norm": torch.bfloat16, "head": torch.bfloat16}  # the island's fp32 cast
     assert out.dtype == torch.float32  # for the loss
-    assert p.dtype is None and p.peak_mode == "bf16"  # no autocast; MFU against bf16's peak
+    assert p.dtype is None  # no autocast
+    # MFU against bf16's peak, or fp32's where the fast CPU kernels compute bf16 matmuls in fp32
+    assert p.peak_mode == ("fp32" if p.emulates("bf16_true") else "bf16")
     p.close()
 
 
