@@ -98,8 +98,8 @@ class WandbTracker:
         return self.run.dir.removesuffix("/files") if self.run.settings.mode == "offline" else None
 
     def log(self, rows: list[dict]) -> None:
-        for row in rows:
-            self.run.log(row)
+        for row in rows:  # at its optimizer step: a row amended with its evaluation merges in
+            self.run.log(row, step=row["step"])
 
     def finish(self, summary: dict, exit_code: int) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if v is not None})
