@@ -14,7 +14,7 @@ from runner import console, distributed
 from runner.distributed import Dist
 from runner.errors import TrainingStopped
 from runner.precision import Precision
-from runner.task import Batch, Task
+from runner.task import Batch, Task, buffers_kept
 from runner.telemetry import batch_samples
 from runner.tracking import dumps
 
@@ -47,18 +47,6 @@ def _stats(value) -> tuple[bool, float] | None:
     finite = all(bool(torch.isfinite(t).all()) for t in tensors)
     largest = max(float(t.detach().abs().float().nan_to_num(nan=math.inf).max()) for t in tensors)
     return finite, largest
-
-
-@contextlib.contextmanager
-def buffers_kept(module: torch.nn.Module):
-    """The module's buffers are put back as they were found."""
-    saved = [b.clone() for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(module.buffers(), saved, strict=True):
-                buffer.copy_(value)
 
 
 def replay(

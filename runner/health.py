@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from runner.config import LOSS_SCALED_MODES
-from runner.task import Batch, Task
+from runner.task import Batch, Task, buffers_kept
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # the smallest fp16 subnormal: anything smaller in magnitude becomes 0
@@ -39,14 +39,10 @@ def gradient_health(task: Task, batch: Batch, norm: float, scale: float) -> dict
     gradients stand for the activations' (the same values, summed). The run goes on as if
     unmeasured: `.grad` is left alone, and the RNG and buffers (dropout, batch statistics) are
     put back."""
-    buffers = [b.clone() for b in task.buffers()]
     device = batch[next(iter(batch))].device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        health = _measure(task, batch, norm, scale)
-    with torch.no_grad():
-        for buffer, saved in zip(task.buffers(), buffers, strict=True):
-            buffer.copy_(saved)
-    return health
+        with buffers_kept(task):
+            return _measure(task, batch, norm, scale)
 
 
 def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:

@@ -3,6 +3,7 @@ knows these two base classes."""
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -161,3 +162,15 @@ def require_kind(data: DataModule, kind: str, model: str) -> None:
             f"model={model} needs a {kind} dataset, but the dataset gives {data.kind} data "
             f"(pick a {kind} dataset, or leave dataset= out for the model's default)"
         )
+
+
+@contextlib.contextmanager
+def buffers_kept(module: torch.nn.Module):
+    """The module's buffers are put back as they were found."""
+    saved = [b.clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved, strict=True):
+                buffer.copy_(value)

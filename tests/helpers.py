@@ -31,6 +31,22 @@ TINY_BERT = [*TINY_BERT_MODEL, "dataset.num_documents=200"]
 TINY_MLP = ["model=mlp", "dataset.num_samples=1024", "trainer.progress_bar=false", "logger=none"]
 
 
+def module_run(net: str, *overrides: str) -> list[str]:
+    """A two-step `model=module` run of the net class at dotted path `net`, on the small pairs of
+    tests/test_own_model.py, without evaluation."""
+    return [
+        "model=module",
+        f"model.net._target_={net}",
+        "dataset.train._target_=tests.test_own_model.pairs",
+        "dataset.batch_size=16",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=0",
+        "trainer.progress_bar=false",
+        "logger=none",
+        *overrides,
+    ]
+
+
 def make_cfg(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(runner.CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))

@@ -19,7 +19,7 @@ from runner.precision import Precision
 from runner.precision.norms import norm_layers
 from runner.run import run
 from runner.truth import precision_truth
-from tests.helpers import load_last, make_cfg
+from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
 from tests.test_hf import NEUTRAL, _tokenizer, hf
 
@@ -65,17 +65,7 @@ class OwnNormNet(nn.Module):
 
 
 def net_run(*overrides: str, net: str = "OwnNormNet") -> list[str]:
-    return [
-        "model=module",
-        f"model.net._target_={HERE}.{net}",
-        "dataset.train._target_=tests.test_own_model.pairs",
-        "dataset.batch_size=16",
-        "trainer.max_steps=2",
-        "trainer.val_check_interval=0",
-        "trainer.progress_bar=false",
-        "logger=none",
-        *overrides,
-    ]
+    return module_run(f"{HERE}.{net}", *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from runner.config import PrecisionConfig
 from runner.precision import Precision
 from runner.run import run
 from runner.truth import precision_truth
-from tests.helpers import load_last, make_cfg
+from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
 
 HERE = "tests.test_truth"
@@ -43,17 +43,7 @@ class HalfHeadNet(NormNet):
 
 
 def net_run(*overrides: str, net: str = "NormNet") -> list[str]:
-    return [
-        "model=module",
-        f"model.net._target_={HERE}.{net}",
-        "dataset.train._target_=tests.test_own_model.pairs",
-        "dataset.batch_size=16",
-        "trainer.max_steps=2",
-        "trainer.val_check_interval=0",
-        "trainer.progress_bar=false",
-        "logger=none",
-        *overrides,
-    ]
+    return module_run(f"{HERE}.{net}", *overrides)
 
 
 def truth_of(run_dir) -> dict:
