@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from runner.config import LOSS_SCALED_MODES
+from runner.precision.modes import mode_of
 from runner.task import Batch, Task, buffers_kept
 
 FP16_MAX = 65504.0
@@ -171,7 +171,7 @@ def fp16_health(
     resumed run's rows include earlier jobs', which may have run another precision): the audited
     step's measurements (absent for fp16_master and under FSDP), the scale history of those
     steps, and the recommendation. None without such steps."""
-    scaled_modes = set(modes) & set(LOSS_SCALED_MODES)
+    scaled_modes = {m for m in modes if mode_of(m).scales_loss}
     scaled = [r for r in rows if r.get("precision") in scaled_modes]
     if not scaled:
         return None

@@ -19,7 +19,7 @@ from runner.flops import emulation_slowdown, utilisation
 from runner.health import fp16_health
 from runner.memory import account
 from runner.optim import build_optimizers
-from runner.precision import DeviceCaps, Precision, compute_mode
+from runner.precision import DeviceCaps, Precision, mode_of
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog, finished_summary, open_tracker
@@ -131,7 +131,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         for note in precision.kernel_notes():
             console.say(note)
         slowdown = {  # measured where the mode runs PyTorch's own emulated kernels
-            mode: emulation_slowdown(caps, compute_mode(mode), Path(cfg.cache_dir).expanduser())
+            mode: emulation_slowdown(caps, mode_of(mode).compute, Path(cfg.cache_dir).expanduser())
             for _, mode, _ in precision.stages
             if not precision.emulates(mode)
         }

@@ -196,9 +196,10 @@ class Trainer:
         return totals
 
     def _gradient_health(self, window: list[Batch]) -> dict | None:
-        """fp16's, on the window's first micro-batch. Not for fp16_master (its weights are fp16:
-        no fp32 reference) nor under FSDP (sharded weights)."""
-        if self.precision.mode != "fp16" or self.sharded:
+        """A loss-scaled mode's, on the window's first micro-batch. Not where the weights are cast
+        (fp16_master's are fp16: no fp32 reference) nor under FSDP (sharded weights)."""
+        mode = self.precision.in_force
+        if not mode.scales_loss or mode.weights != "fp32" or self.sharded:
             return None
         norm = sum(self.task.num_targets(b) for b in window) * self.dist.world
         batch = self._to_device(window[0])

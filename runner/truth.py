@@ -14,10 +14,8 @@ from rich.markup import escape
 from runner import console, distributed
 from runner.memory import local
 from runner.precision.islands import is_island
+from runner.precision.modes import mode_of
 from runner.precision.norms import norm_layers
-
-CASTS = {"fp16_master": "fp16", "bf16_true": "bf16"}
-MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
 
 
 def short(dtype: torch.dtype | None) -> str | None:
@@ -156,22 +154,16 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
 
 def _problems(row: dict, precision, state_dtype: str | None) -> list[str]:
     """What the row holds that `precision` and `optim.state_dtype` did not ask for."""
-    mode, out = precision.mode, []
+    mode, out = mode_of(precision.mode), []
     island = row["autocast"] == "off (island)"
-    expected, why = "fp32", f"precision={mode} {MIXED_WEIGHTS}"
-    if mode in CASTS:  # the modes that cast the weights themselves
-        norms = mode == "fp16_master" or precision.cfg.keep_norms_fp32
-        kept = "norm layers and fp32 islands" if norms else "fp32 islands"
-        expected = "fp32" if island or (norms and row["norm"]) else CASTS[mode]
-        where = "in" if expected == "fp32" else "outside"
-        why = f"precision={mode} holds {expected} weights {where} {kept}"
+    expected, why = mode.expects(precision.cfg, row)
     if row["weights"] != expected:
         out.append(f"weights are {row['weights']}, but {why}")
-    if mode == "fp16_master" and row["grads"] == "fp16" and row["master"] != "fp32":
+    if mode.masters and row["grads"] == mode.weights and row["master"] != "fp32":
         out.append(f"master copy is {row['master']}, not fp32")
     if row["master_grads"] not in (None, "fp32"):
         out.append(f"master gradients are {row['master_grads']}, not fp32")
-    stepped = expected if mode == "bf16_true" else "fp32"  # what the optimizer steps
+    stepped = "fp32" if mode.masters else expected  # what the optimizer steps
     for key, dtype in (row["optimizer_state"] or {}).items():
         # optim.state_dtype sets the moments; kahan's compensation is in the weight's dtype
         state = state_dtype if state_dtype and key != "compensation" else stepped

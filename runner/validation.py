@@ -17,13 +17,12 @@ from runner.config import (
     BF16_UPDATES,
     CPU_KERNELS,
     OWN_ADAMW_KEYS,
-    PRECISION_MODES,
     SCHEDULE_DECAYS,
-    STAGE_MODES,
     Config,
     StageConfig,
 )
 from runner.errors import UserError, clip
+from runner.precision.modes import MODES, choices
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -37,10 +36,10 @@ def _validate_stages(stages) -> None:
     for i, stage in enumerate(stages):
         key = f"precision.stages.{i}"
         _require(
-            stage.mode in STAGE_MODES,
+            stage.mode in choices(stage=True),
             f"{key}.mode",
             stage.mode,
-            "allowed: " + ", ".join(STAGE_MODES),
+            "allowed: " + ", ".join(choices(stage=True)),
         )
         if i == len(stages) - 1:
             _require(
@@ -294,24 +293,13 @@ def validate(cfg: DictConfig) -> None:
         "allowed: auto, cpu, cuda, cuda:N, mps",
     )
     _require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
+    refusal = MODES[p.mode].fsdp_refusal if p.mode in MODES else None
+    _require(not (t.strategy == "fsdp" and refusal), "precision.mode", p.mode, refusal or "")
     _require(
-        not (t.strategy == "fsdp" and p.mode == "fp16_master"),
+        p.mode in choices(),
         "precision.mode",
         p.mode,
-        "with trainer.strategy=fsdp use precision=fp16: FSDP's fp32 shards are the master weights",
-    )
-    _require(
-        not (t.strategy == "fsdp" and p.mode == "bf16_true"),
-        "precision.mode",
-        p.mode,
-        "with trainer.strategy=fsdp use precision=bf16: FSDP2 gathers one dtype per unit (not bf16 "
-        "weights beside fp32 norms), and its fp32 shards already split the weight memory",
-    )
-    _require(
-        p.mode in PRECISION_MODES,
-        "precision.mode",
-        p.mode,
-        "allowed: " + ", ".join(PRECISION_MODES),
+        "allowed: " + ", ".join(choices()),
     )
     if p.mode == "staged":
         _validate_stages(p.stages)

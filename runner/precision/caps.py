@@ -8,11 +8,6 @@ from pathlib import Path
 import torch
 
 
-def compute_mode(mode: str) -> str:
-    """The arithmetic a mode runs in: fp16_master computes in fp16, bf16_true in bf16."""
-    return {"fp16_master": "fp16", "bf16_true": "bf16"}.get(mode, mode)
-
-
 @dataclass(frozen=True)
 class DeviceCaps:
     """What a device can do natively, as far as precision is concerned."""
@@ -35,7 +30,7 @@ class DeviceCaps:
         return cls(device.type, device.type)
 
     def support(self, mode: str) -> tuple[bool, str]:
-        """(native, why) for a mode on this device."""
+        """(native, why) for an arithmetic (a mode's `compute`) on this device."""
         if mode == "fp32":
             return True, "fp32 runs everywhere"
         if self.type == "cuda":

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from runner.precision.caps import DeviceCaps, compute_mode
+from runner.precision.caps import DeviceCaps
+from runner.precision.modes import mode_of
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,11 +63,11 @@ def emulated_dtypes(setting: str, caps: DeviceCaps, modes: Iterable[str]) -> fro
     if caps.type != "cpu" or setting == "native":
         return frozenset()
     # fp8 runs its unconverted layers (and torchao's emulated fp8 matmuls) in bf16 autocast.
-    names = {{"fp8": "bf16"}.get(compute_mode(m), compute_mode(m)) for m in modes}
+    low = {mode_of(m).low_dtype for m in modes}
     return frozenset(
-        LOW_DTYPES[name]
-        for name in names & LOW_DTYPES.keys()
-        if setting == "fast" or not caps.support(name)[0]
+        dtype
+        for name, dtype in LOW_DTYPES.items()
+        if dtype in low and (setting == "fast" or not caps.support(name)[0])
     )
 
 

@@ -8,23 +8,21 @@ from collections.abc import Sequence
 
 import torch
 
-from runner.config import LOSS_SCALED_MODES
 from runner.errors import UserError
-from runner.precision import bf16_true, islands
-from runner.precision.caps import DeviceCaps, compute_mode
+from runner.precision import islands
+from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights, average_over_ranks
+from runner.precision.modes import Mode, mode_of
 from runner.precision.norms import norm_layers
 from runner.precision.step import StepResult, optimizer_step
-
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 class Precision:
     """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
-    follows a `staged` schedule step by step, keeps fp16_master's fp32 master weights, and casts
-    bf16_true's model.
+    fp16_master's fp32 master weights and fp8's converted Linears, and follows a `staged`
+    schedule step by step; what each mode is, it asks the mode (runner/precision/modes/).
 
     The loop calls `autocast()`, `backward()` and `step()`; it never touches `torch.amp`."""
 
@@ -54,11 +52,11 @@ class Precision:
         self.name = "staged" if cfg.mode == "staged" else self.stages[0][1]
         # One scaler for the run, made when any stage scales the loss: between two fp16 stages it
         # lies dormant (and is checkpointed), so the second resumes at the scale the first reached.
-        scaled = any(mode in LOSS_SCALED_MODES for _, mode, _ in self.stages)
+        scaled = any(mode_of(mode).scales_loss for _, mode, _ in self.stages)
         self._scaler = self._make_scaler() if scaled else None
         self.master = MasterWeights()
         # fp8's Linears are converted once; they compute in fp8 in fp8 stages only
-        self.fp8 = Float8(cfg.fp8) if any(m == "fp8" for _, m, _ in self.stages) else None
+        self.fp8 = Float8(cfg.fp8) if any(mode_of(m).fp8 for _, m, _ in self.stages) else None
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
         self.fast_kernels = FastKernels(
             emulated_dtypes(cfg.cpu_kernels, self.caps, [m for _, m, _ in self.stages])
@@ -73,7 +71,7 @@ class Precision:
         """(mode, why): `auto` decided, and a mode the device lacks refused or warned about."""
         if mode == "auto":
             return self.caps.best_mode()
-        native, why = self.caps.support(compute_mode(mode))
+        native, why = self.caps.support(mode_of(mode).compute)
         if not native:
             # CPUs run bf16/fp16 autocast in software; PyTorch accepts it, so it is a warning.
             # On a GPU without the units the answer to "is it faster" is a foregone no.
@@ -101,16 +99,16 @@ class Precision:
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         """The GradScaler in force: only in loss-scaled modes."""
-        return self._scaler if self.mode in LOSS_SCALED_MODES else None
+        return self._scaler if self.in_force.scales_loss else None
 
     def _enter(self, mode: str, reason: str) -> None:
         self.mode, self.reason = mode, reason
-        # bf16_true computes in its weights' dtype, without autocast
-        self.dtype = None if mode == "bf16_true" else AUTOCAST_DTYPES.get(compute_mode(mode))
+        self.in_force: Mode = mode_of(mode)
+        self.dtype = self.in_force.autocast
         if self.fp8:
-            self.fp8.active = mode == "fp8"
+            self.fp8.active = self.in_force.fp8
         # Explicit either way: a previous stage or job in this process may have left "high".
-        tf32 = mode == "tf32"
+        tf32 = self.in_force.tf32
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32
 
@@ -129,25 +127,14 @@ class Precision:
         torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
 
     def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
-        """Install the fp32 islands (in every mode: a later stage may autocast), then, for
-        fp16_master, cast the weights to fp16 with fp32 masters (islands and norms stay fp32);
-        for bf16_true, cast them to bf16 (islands, and norms unless told, stay fp32)."""
+        """Install the fp32 islands (in every mode: a later stage may autocast), then let each
+        stage's mode do what it does to the model once (fp16_master's masters, bf16_true's
+        cast, fp8's conversion)."""
         islands.keep_fp32(model, fp32_modules, self.device.type)
         norms = norm_layers(model, self.cfg.norm_modules)  # in every mode: a typo is an error
-        if self.fp8:
-            self.fp8.prepare(model, islands.find(model, fp32_modules))
-        if self.mode == "fp16_master":
-            kept = {p for m in islands.find(model, fp32_modules) for p in m.parameters()}
-            kept |= {p for m in norms for p in m.parameters(recurse=False)}
-            self.master.prepare(model, kept)
-        if self.mode == "bf16_true":
-            c = self.cfg
-            bf16_true.prepare(
-                model,
-                islands.find(model, fp32_modules),
-                norms if c.keep_norms_fp32 else set(),
-                c["update"],
-            )
+        kept = islands.find(model, fp32_modules)
+        for mode in dict.fromkeys(m for _, m, _ in self.stages):
+            mode_of(mode).convert(self, model, kept, norms)
 
     def counting(self) -> contextlib.AbstractContextManager:
         """In the audited step: what the mode adds to the audit (fp8's GEMM FLOPs)."""
@@ -164,7 +151,7 @@ class Precision:
 
     def emulates(self, mode: str) -> bool:
         """Whether `mode`'s low-precision matmuls compute in fp32 here (cpu_kernels=fast)."""
-        return LOW_DTYPES.get(compute_mode(mode)) in self.fast_kernels.dtypes
+        return LOW_DTYPES.get(mode_of(mode).compute) in self.fast_kernels.dtypes
 
     def kernel_notes(self) -> list[str]:
         """The opening lines on what the fast kernels do, one per emulated dtype."""
@@ -178,7 +165,7 @@ class Precision:
     def peak_mode(self) -> str:
         """The mode whose peak rate the device's MFU is measured against: fp32 where the fast
         CPU kernels compute the mode's matmuls in fp32."""
-        return "fp32" if self.emulates(self.mode) else compute_mode(self.mode)
+        return "fp32" if self.emulates(self.mode) else self.in_force.compute
 
     def memory(self, model: torch.nn.Module) -> dict:
         return self.master.memory(model)

@@ -1,0 +1,18 @@
+"""precision=fp8: torchao's fp8 Linears (converted once, active in fp8 stages) and bf16 autocast
+for the rest."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from runner.precision.modes.base import Mode
+
+
+class Fp8(Mode):
+    def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
+        """Converts the Linears to fp8 (islands left out)."""
+        precision.fp8.prepare(model, islands)
+
+
+MODE = Fp8("fp8", compute="fp8", autocast=torch.bfloat16, fp8=True)
