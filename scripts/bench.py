@@ -20,7 +20,7 @@
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
 medians over rounds; ratios are medians of per-round ratios (pairs timed back to back). The
-runner's side is timed by runner/interleave.py, as the comparison's runner.speed=interleaved is.
+runner's side is timed by runner/compare/interleave.py, as the comparison's runner.speed=interleaved is.
 
     python scripts/bench.py                       # the first two parts, in one process
     python scripts/bench.py --part table --models bert --compile
@@ -56,7 +56,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import runner
-from runner.interleave import (
+from runner.compare.interleave import (
     alternate,
     median_ratio,
     prepared,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner import report, telemetry
-from runner.compare import compare
+from runner import telemetry
+from runner.compare import compare, report
 from runner.errors import UserError
 from runner.run import run
 from tests.helpers import TINY_MLP, make_cfg
@@ -417,7 +417,7 @@ def test_a_small_systematic_shift_over_ten_seeds_is_worse_and_the_interval_is_we
     "df, quantile", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (1000, 1.9623)]
 )
 def test_the_t_quantile_matches_the_tables(df, quantile):
-    from runner.seeds import t_quantile
+    from runner.compare.verdicts import t_quantile
 
     assert t_quantile(0.975, df) == pytest.approx(quantile, abs=2e-4)
 

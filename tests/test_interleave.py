@@ -1,5 +1,5 @@
 """Speed you can trust: runner.speed=interleaved (the precisions timed again side by side, in one
-process, in alternating rounds; runner/interleave.py) and steps too small to tell."""
+process, in alternating rounds; runner/compare/interleave.py) and steps too small to tell."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from runner import interleave
-from runner.compare import compare
+from runner.compare import compare, interleave
 from runner.errors import UserError
 from runner.validation import validate
 from tests.helpers import TINY_MLP, cli, make_cfg
@@ -138,7 +137,9 @@ def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert [r["too_small_to_tell"] for r in rows] == [small, small]
     assert rows[1]["mfu"] == pytest.approx(flops * 1.5 / 1e13)  # its own, under 5%: no matter
-    start = "1.50× faster (per-job timing), eval loss within 0.00% of fp32 (one seed: untested against "
+    start = (
+        "1.50× faster (per-job timing), eval loss within 0.00% of fp32 (one seed: untested against "
+    )
     notes = (tmp_path / "compare.md").read_text().partition("Notes:")[2]
     if small:
         tail = "too small to tell: fp32's FLOPs are 4.00% of its step at peak"

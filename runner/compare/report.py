@@ -1,7 +1,7 @@
 """The comparison's outputs: the table and its notes (compare.md, compare.csv, compare.json, and
 printed), the dashboard (compare.png: loss curves, the loss gap to fp32, speed with its spread,
 memory by category), and the `compare` run in the sweep's W&B group. One row per group of seeds
-(runner/seeds.py): one per job where the sweep has one seed."""
+(runner/compare/verdicts.py): one per job where the sweep has one seed."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
+from runner.compare.verdicts import median
 from runner.config import LOSS_SCALED_MODES
-from runner.seeds import median
 
 if TYPE_CHECKING:
-    from runner.seeds import Group
+    from runner.compare.verdicts import Group
 
 MEMORY = ("params", "grads", "optimizer", "masters", "activations")  # summary.json's `memory`
 

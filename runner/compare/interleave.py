@@ -24,20 +24,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
+from runner.compare.verdicts import median_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
 from runner.optim import build_optimizers
 from runner.precision import Precision
 from runner.run import build, resolve_device, seed_everything
-from runner.seeds import median_ratio
 from runner.task import DataModule, Task
 from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog
 from runner.trainer import Trainer
 
 if TYPE_CHECKING:
-    from runner.compare import Job
-    from runner.seeds import Group
+    from runner.compare.jobs import Job
+    from runner.compare.verdicts import Group
 
 WARMUP_STEPS = 2  # untimed steps before each timing: the data loader starting, caches warming
 

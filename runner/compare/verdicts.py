@@ -1,5 +1,5 @@
 """A sweep's jobs grouped by everything but the seed, and each group's verdict against its
-baseline (the fp32 row of its setting; runner/compare.py chooses it).
+baseline (the fp32 row of its setting; runner/compare/sweep.py chooses it).
 
 Per group (a precision in one setting): its figures over seeds (the losses' mean ± std, a typical
 seed's median for the rest), its divergence rate (the share of seeds that failed, diverged or
@@ -20,7 +20,7 @@ A speed is measurably different from the baseline's only where the two differ by
 interquartile ranges added; inside that, a mode is never recommended, and a speed whose spread
 was not measured (under two steady logging intervals) is untested, never "faster". The speed
 comes from each job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved,
-from the rows timed again side by side in one process (runner/interleave.py; "interleaved":
+from the rows timed again side by side in one process (runner/compare/interleave.py; "interleaved":
 medians and IQR over rounds, the speedup the median of per-round ratios to the baseline).
 
 A step too small to show a precision effect is never recommended on its speed either. A
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runner.compare import Job
+    from runner.compare.jobs import Job
 
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
@@ -63,7 +63,7 @@ class Group:
     label: str
     verdict: str = ""
     figures: dict = field(default_factory=dict)
-    base: Group | None = None  # what it is compared with (runner/compare.py's `baseline`)
+    base: Group | None = None  # what it is compared with (runner/compare/sweep.py's `baseline`)
 
     @property
     def precision(self) -> str:
@@ -364,7 +364,7 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
 
 def judge(groups: list[Group], tolerance: float, timings: dict | None = None) -> None:
     """Each group's figures (against its baseline, `g.base`) and verdict; `timings`, by the
-    row's key: the speed of the rows timed interleaved (runner/interleave.py)."""
+    row's key: the speed of the rows timed interleaved (runner/compare/interleave.py)."""
     timings = timings or {}
     for g in groups:
         g.figures = _own_figures(g, timings.get(g.key))

@@ -1,0 +1,3 @@
+from runner.compare.sweep import main
+
+main()

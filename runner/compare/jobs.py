@@ -1,0 +1,154 @@
+"""A sweep's jobs as they ran: each job folder's summary.json, metrics.jsonl and .hydra/ record,
+and its identity (what it ran: its resolved config less its precision mode, seed and
+bookkeeping), from which the comparison groups its rows and settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from runner.errors import UserError
+
+# Keys that say how a job was run, not what it ran: left out of its identity.
+BOOKKEEPING = (
+    "seed",
+    "precision.mode",
+    "logger",
+    "runner",
+    "cache_dir",
+    "trainer.resume",
+    "trainer.progress_bar",
+)
+
+
+@dataclass
+class Job:
+    folder: Path
+    summary: dict
+    rows: list[dict]
+    config: dict
+    overrides: list[str]
+    verdict: str = ""  # why it failed, diverged or overflowed; its group's verdict says the rest
+    figures: dict = field(default_factory=dict)
+    # Set by `identify`, over the whole sweep: what it ran (every config value that varies in the
+    # sweep, less its precision mode and seed), the part of that its fp32 baseline shares (all but
+    # precision.*), and its row's name.
+    identity: tuple = ()
+    setting: tuple = ()
+    label: str = ""
+
+    @property
+    def precision(self) -> str:
+        return self.summary.get("precision") or self.config.get("precision", {}).get("mode", "?")
+
+
+def _flat(config, prefix: str = "") -> dict[str, str]:
+    """A config's leaves by dotted key, each value as JSON (lists are leaves)."""
+    if not isinstance(config, dict):
+        return {prefix: json.dumps(config, sort_keys=True)}
+    flat = {}
+    for key, value in config.items():
+        flat |= _flat(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
+    return flat
+
+
+def _overridden(job: Job) -> set[str]:
+    """The dotted keys its command line set (`a.b=1`, `+a.b=1`, `++a.b=1`)."""
+    return {o.lstrip("+~").partition("=")[0] for o in job.overrides}
+
+
+def identify(jobs: list[Job]) -> None:
+    """Each job's identity, setting and label. Two jobs are seeds of one row only where their
+    resolved configs agree on everything but the precision mode, the seed and bookkeeping; a
+    precision.* key splits rows inside a setting (each compared with the same fp32 baseline),
+    any other key splits settings. A label names the precision and the values that vary: every
+    key outside precision.*, and a precision.* key where it varies within some mode or this
+    job's command line set it (not staged's stages, which come with the mode)."""
+    flats = [
+        {
+            k: v
+            for k, v in _flat(j.config).items()
+            if not any(k == b or k.startswith(b + ".") for b in BOOKKEEPING)
+        }
+        for j in jobs
+    ]
+    keys = sorted({k for f in flats for k in f})
+    varying = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+    modes = {j.precision for j in jobs}
+    # A key whose value follows from the mode (staged's stages): not a variable of the sweep.
+    by_mode = {
+        k
+        for k in varying
+        if all(
+            len({f.get(k) for j, f in zip(jobs, flats, strict=True) if j.precision == m}) == 1
+            for m in modes
+        )
+    }
+    for job, flat in zip(jobs, flats, strict=True):
+        job.identity = tuple((k, flat.get(k)) for k in varying)
+        job.setting = tuple((k, v) for k, v in job.identity if not k.startswith("precision."))
+        shown = [
+            k
+            for k in varying
+            if not k.startswith("precision.") or k not in by_mode or k in _overridden(job)
+        ]
+        shown.sort(key=lambda k: k.startswith("precision."))  # the setting's keys first
+        job.label = " ".join(
+            [job.precision, *(f"{k.rsplit('.', 1)[-1]}={_shown(flat.get(k))}" for k in shown)]
+        )
+
+
+def _shown(value: str | None) -> str:
+    """A flattened value as a label shows it: strings bare, the rest as JSON."""
+    if value is None:
+        return "unset"
+    loaded = json.loads(value)
+    return loaded if isinstance(loaded, str) else value
+
+
+def _read_job(folder: Path) -> Job:
+    summary_file, metrics_file = folder / "summary.json", folder / "metrics.jsonl"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    if not summary:
+        summary = {
+            "status": "failed",
+            "error": "no summary.json: the job was killed or never started",
+        }
+    rows = []
+    if metrics_file.exists():
+        rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    hydra_dir = folder / ".hydra"
+    config = (
+        OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"))
+        if (hydra_dir / "config.yaml").exists()
+        else {}
+    )
+    overrides = (
+        list(OmegaConf.load(hydra_dir / "overrides.yaml"))
+        if (hydra_dir / "overrides.yaml").exists()
+        else []
+    )
+    return Job(folder, summary, rows, config, overrides)
+
+
+def load_sweep(sweep_dir: Path) -> list[Job]:
+    if not sweep_dir.is_dir():
+        raise UserError(f"compare: {sweep_dir} is not a folder")
+    folders = sorted(
+        (
+            p
+            for p in sweep_dir.iterdir()
+            if p.is_dir() and ((p / ".hydra").is_dir() or (p / "summary.json").exists())
+        ),
+        key=lambda p: (len(p.name), p.name),
+    )
+    if not folders:
+        raise UserError(
+            f"compare: no runs in {sweep_dir} (expected job folders with .hydra/ or summary.json)"
+        )
+    jobs = [_read_job(f) for f in folders]
+    identify(jobs)
+    return jobs
