@@ -15,10 +15,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from runner.precision.modes import MODES
-
-# The modes that need a GradScaler (the built-in ones): each mode says so itself (`scales_loss`).
-LOSS_SCALED_MODES = tuple(n for n, m in MODES.items() if m.scales_loss)
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
 CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare.verdicts import median
-from runner.config import LOSS_SCALED_MODES
+from runner.compare.verdicts import median, scales_loss
 
 if TYPE_CHECKING:
     from runner.compare.verdicts import Group
@@ -114,9 +113,7 @@ def _losses(ax, groups: list[Group]) -> None:
             ax.plot(steps, mean, label=label, linewidth=1.2, color=f"C{i}")
             if seeds > 1:
                 ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
-        scaled = (
-            [j for j in group.counted if j.rows] if group.precision in LOSS_SCALED_MODES else []
-        )
+        scaled = [j for j in group.counted if j.rows] if scales_loss(group.precision) else []
         for k, job in enumerate(scaled):
             scale_ax = scale_ax or ax.twinx()
             scale_ax.plot(

@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 from runner.compare import report
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.report import as_float
-from runner.compare.verdicts import Group, judge, memory_figure
-from runner.config import LOSS_SCALED_MODES, RunnerConfig
+from runner.compare.verdicts import Group, judge, memory_figure, scales_loss
+from runner.config import RunnerConfig
 from runner.errors import UserError
 
 TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence" (one seed)
@@ -114,8 +114,8 @@ def _job_figures(job: Job, base: Job | None) -> None:
         job.verdict = "diverged: the loss became inf/NaN — not recommended"
     elif steps and skipped / steps > MAX_SKIPPED_SHARE:
         # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
-        f["health"] = "overflow" if job.precision in LOSS_SCALED_MODES else "diverged"
-        what = "overflowed" if job.precision in LOSS_SCALED_MODES else "diverged"
+        f["health"] = "overflow" if scales_loss(job.precision) else "diverged"
+        what = "overflowed" if scales_loss(job.precision) else "diverged"
         job.verdict = f"{what}: {skipped} of {steps} steps skipped — not recommended"
     else:
         f["health"] = "ok"

@@ -98,6 +98,13 @@ class Group:
         return [j for j in self.jobs if j.figures["health"] not in UNSTABLE] or self.jobs
 
 
+def scales_loss(precision: str) -> bool:
+    """Whether a row's mode scales its loss (fp16, fp16_master): a skip there is an overflow."""
+    from runner.precision.modes import MODES
+
+    return precision in MODES and MODES[precision].scales_loss
+
+
 def _finite(values) -> list:
     return [v for v in values if v is not None and math.isfinite(v)]
 
