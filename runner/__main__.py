@@ -43,7 +43,7 @@ def main() -> None:
         preflight(args)
         if is_multirun(args) and not informational(args):
             os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))
-        from runner import distributed  # imports torch: after the quick checks
+        from runner.train import distributed  # imports torch: after the quick checks
 
         ranks = distributed.init()  # under torchrun; one process: nothing to do
     except UserError as e:

@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from runner.flops import cpu_matmul_tflops, peak_tflops
+from runner.measure.flops import cpu_matmul_tflops, peak_tflops
 from runner.precision import DeviceCaps
 
 MODES = ("fp32", "tf32", "fp16", "bf16")

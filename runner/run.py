@@ -13,17 +13,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, console, distributed, truth
+from runner import console
 from runner.errors import Preempted, UserError, building, first_line
-from runner.flops import emulation_slowdown, utilisation
-from runner.health import fp16_health
-from runner.memory import account
-from runner.optim import build_optimizers
+from runner.measure import truth
+from runner.measure.flops import emulation_slowdown, utilisation
+from runner.measure.health import fp16_health
+from runner.measure.memory import account
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.task import DataModule, Task
-from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog, finished_summary, open_tracker
-from runner.trainer import Trainer
+from runner.train import checkpoint, distributed
+from runner.train.optim import build_optimizers
+from runner.train.telemetry import reset_peak_memory
+from runner.train.trainer import Trainer
 from runner.validation import validate
 
 

@@ -64,11 +64,11 @@ from runner.compare.interleave import (
     trainer_timer,
     workspace,
 )
-from runner.optim import build_optimizers
 from runner.precision import DeviceCaps, Precision, master, plan
 from runner.run import build, resolve_device, run, seed_everything
 from runner.task import Batch, DataModule, Task
-from runner.telemetry import compile_counts
+from runner.train.optim import build_optimizers
+from runner.train.telemetry import compile_counts
 from runner.validation import validate
 
 OVERRIDES = [

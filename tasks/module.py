@@ -4,8 +4,8 @@ config. No subclassing: the net sees the dataset's inputs, the loss sees its out
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import torch
 from hydra.utils import instantiate

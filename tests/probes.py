@@ -67,7 +67,7 @@ def stalled_cli() -> None:
     import sys
     from pathlib import Path
 
-    from runner.trainer import Trainer
+    from runner.train.trainer import Trainer
 
     step, marker = int(sys.argv[1]), Path(sys.argv[2])
     sys.argv = [sys.argv[0], *sys.argv[3:]]

@@ -15,10 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner import telemetry
 from runner.compare import compare, report
 from runner.errors import UserError
 from runner.run import run
+from runner.train import telemetry
 from tests.helpers import TINY_MLP, make_cfg
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from runner.cli import expand, preflight
 from runner.errors import UserError, first_line
-from runner.optim import build_optimizers
 from runner.run import build
+from runner.train.optim import build_optimizers
 from runner.validation import validate
 from tests.helpers import TINY_MLP, make_cfg
 

@@ -43,9 +43,9 @@ def _rank(rank: int, port: int, jobs: list[tuple[list[str], str]], spy: Spy | No
         COLUMNS="1000",  # the console's width: a message is one line in the report
     )
     torch.set_num_threads(1)
-    from runner import distributed
     from runner.errors import Preempted
     from runner.run import run
+    from runner.train import distributed
 
     figures = spy(rank) if spy else dict
     try:
@@ -203,7 +203,7 @@ SIGNALLED_IN_STEP = 13  # past the warm-up's flush (step 10), far from the next 
 def sigterm_rank_1(rank: int) -> Callable[[], dict]:
     """Rank 1 sends itself SIGTERM as it starts step SIGNALLED_IN_STEP."""
     if rank == 1:
-        from runner.trainer import Trainer
+        from runner.train.trainer import Trainer
 
         train_step = Trainer.train_step
 
@@ -287,7 +287,7 @@ def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
     # A DCP set: each rank wrote its file, half of every sharded weight, together all of it.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from runner.sharded import read_metadata
+    from runner.train.sharded import read_metadata
 
     folder = tmp_path / "fsdp" / "checkpoints" / "last-3"
     assert torch.load(folder / "state.pt", weights_only=True)["shards"] == 2

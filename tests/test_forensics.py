@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner import diagnostics
 from runner.errors import TrainingStopped
 from runner.run import run
+from runner.train import diagnostics
 from tasks.classification import Blobs
 from tests.helpers import TINY_MLP, load_last, make_cfg, read_metrics
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from torch import nn
 
-from runner.health import recommend
+from runner.measure.health import recommend
 from runner.run import run
 from tests.helpers import make_cfg, read_metrics
 

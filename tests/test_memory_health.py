@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from runner.health import LOW_ALARM, recommend
+from runner.measure.health import LOW_ALARM, recommend
 from runner.run import run
-from runner.trainer import Trainer
+from runner.train.trainer import Trainer
 from tests.helpers import TINY_BERT, load_last, make_cfg, read_metrics
 
 BATCH = 16

@@ -15,10 +15,10 @@ from torch import nn
 
 from runner.config import PrecisionConfig
 from runner.errors import UserError
+from runner.measure.truth import precision_truth
 from runner.precision import Precision
 from runner.precision.norms import norm_layers
 from runner.run import run
-from runner.truth import precision_truth
 from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
 from tests.test_hf import NEUTRAL, _tokenizer, hf

@@ -10,9 +10,9 @@ import pickle
 import pytest
 import torch
 
-from runner import checkpoint
 from runner.errors import TrainingStopped, UserError
 from runner.run import run
+from runner.train import checkpoint
 from tests.helpers import TINY_BERT, TINY_MLP, load_last, make_cfg, read_metrics
 
 SHORT = [*TINY_MLP, "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2"]

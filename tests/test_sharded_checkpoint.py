@@ -10,9 +10,9 @@ import pickle
 import pytest
 import torch
 
-from runner import checkpoint, sharded
 from runner.errors import UserError
 from runner.run import run
+from runner.train import checkpoint, sharded
 from tests.helpers import TINY_MLP, make_cfg
 
 

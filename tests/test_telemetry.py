@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from runner import flops
-from runner.flops import (
+from runner.measure import flops
+from runner.measure.flops import (
     GPU_PEAK_TFLOPS,
     device_model,
     emulation_slowdown,

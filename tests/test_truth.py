@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from runner.config import PrecisionConfig
+from runner.measure.truth import precision_truth
 from runner.precision import Precision
 from runner.run import run
-from runner.truth import precision_truth
 from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
 

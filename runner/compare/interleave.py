@@ -27,13 +27,13 @@ from runner import console
 from runner.compare.verdicts import median_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
-from runner.optim import build_optimizers
 from runner.precision import Precision
 from runner.run import build, resolve_device, seed_everything
 from runner.task import DataModule, Task
-from runner.telemetry import reset_peak_memory
 from runner.tracking import RunLog
-from runner.trainer import Trainer
+from runner.train.optim import build_optimizers
+from runner.train.telemetry import reset_peak_memory
+from runner.train.trainer import Trainer
 
 if TYPE_CHECKING:
     from runner.compare.jobs import Job

@@ -177,7 +177,7 @@ class CompareCallback(Callback):
     failed_jobs = 0
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        from runner.distributed import from_env
+        from runner.train.distributed import from_env
 
         if not from_env().main:  # under torchrun, rank 0 compares
             return

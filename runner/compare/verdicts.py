@@ -188,7 +188,7 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
     f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
-        # Its MFU by the step time its speed now comes from (as runner/flops.py's utilisation;
+        # Its MFU by the step time its speed now comes from (as runner/measure/flops.py's utilisation;
         # over 1, the peak is no ceiling, and no MFU is shown).
         mfu = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
         f["mfu"] = mfu if mfu <= 1 else math.nan

@@ -13,7 +13,7 @@ and is lost: at small learning rates training stalls. `precision.update` says ho
 into a bf16 weight: `plain` (rounded to nearest), `stochastic_rounding` (up or down with the
 odds of its distance: unbiased, so small updates survive on average) or `kahan` (rounded, and
 the remainder kept in a bf16 compensation buffer that the next update adds back). Each bf16
-weight carries its choice as `bf16_update`; the optimizer that honours it is `runner.optim.AdamW`
+weight carries its choice as `bf16_update`; the optimizer that honours it is `runner.train.optim.AdamW`
 (built whenever a choice other than plain is made), through `weight` and `write` here. The
 compensation buffers are that optimizer's state, saved and resumed with its moments."""
 

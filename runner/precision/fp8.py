@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from runner.errors import UserError
-from runner.flops import recomputing
+from runner.measure.flops import recomputing
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
@@ -27,7 +27,9 @@ FP8_DIMENSION = 16  # torch._scaled_mm on a GPU needs the inner and outer dims m
 
 def _torchao_float8():
     """torchao's float8 module, imported only when fp8 is asked for (it is a large import)."""
-    from runner.optim import quiet_torchao  # here: runner.optim imports runner.precision
+    from runner.train.optim import (
+        quiet_torchao,  # here: runner.train.optim imports runner.precision
+    )
 
     quiet_torchao()
     try:

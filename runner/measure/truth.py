@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from rich.markup import escape
 
-from runner import console, distributed
-from runner.memory import local
+from runner import console
+from runner.measure.memory import local
 from runner.precision.islands import is_island
 from runner.precision.modes import mode_of
 from runner.precision.norms import norm_layers
+from runner.train import distributed
 
 
 def short(dtype: torch.dtype | None) -> str | None:

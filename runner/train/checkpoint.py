@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner import console, distributed, sharded
-from runner.distributed import Dist
+from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
+from runner.train import distributed, sharded
+from runner.train.distributed import Dist
 
 STEP_FILE = re.compile(r"step-(\d+)\.pt")
 # A sharded checkpoint (FSDP) is a folder, a set: step-N when a step checkpoint, else last-N.

@@ -12,18 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from runner import console, distributed
-from runner.checkpoint import Checkpointer
+from runner import console
 from runner.console import ProgressBar
-from runner.diagnostics import Forensics
-from runner.distributed import Dist
 from runner.errors import Preempted, first_line
-from runner.health import gradient_health
+from runner.measure.health import gradient_health
 from runner.precision import Precision, StepResult
-from runner.preemption import Preemption
 from runner.task import Batch, DataModule, Task
-from runner.telemetry import Meter, read_later
 from runner.tracking import RunLog
+from runner.train import distributed
+from runner.train.checkpoint import Checkpointer
+from runner.train.diagnostics import Forensics
+from runner.train.distributed import Dist
+from runner.train.preemption import Preemption
+from runner.train.telemetry import Meter, read_later
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Measurements of a run: step timing by logging interval, throughput statistics, peak memory,
-compile counts, and when to audit a step (runner/flops.py has the FLOPs, MFU and the audit)."""
+compile counts, and when to audit a step (runner/measure/flops.py has the FLOPs, MFU and the audit)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from runner import console
-from runner.flops import PrecisionAudit
-from runner.memory import SavedActivations
+from runner.measure.flops import PrecisionAudit
+from runner.measure.memory import SavedActivations
 from runner.task import Batch
 
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from runner import console, distributed
-from runner.distributed import Dist
+from runner import console
 from runner.errors import TrainingStopped
 from runner.precision import Precision
 from runner.task import Batch, Task, buffers_kept
-from runner.telemetry import batch_samples
 from runner.tracking import dumps
+from runner.train import distributed
+from runner.train.distributed import Dist
+from runner.train.telemetry import batch_samples
 
 FP16_MAX = 65504.0
 

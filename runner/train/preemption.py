@@ -10,7 +10,7 @@ import contextlib
 import signal
 import threading
 
-from runner.distributed import Dist
+from runner.train.distributed import Dist
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
