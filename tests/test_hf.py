@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import random
+from pathlib import Path
 
 import datasets
 import pytest
@@ -69,6 +70,17 @@ def hf(folder, *overrides: str):
     return make_cfg("model=hf", f"model.name_or_path={folder}", *QUIET, *overrides)
 
 
+def causal_lm_on_text(text: Path, *overrides: str) -> list[str]:
+    """`model=hf` as a causal LM with its own loss, on the local text file `text`."""
+    return [
+        "model.task=causal_lm",
+        "model.loss=output",
+        "dataset=text_files",
+        f"dataset.data_files={text}",
+        *overrides,
+    ]
+
+
 def classify(bert_dir, reviews, *overrides: str):
     return hf(
         bert_dir,
@@ -130,10 +142,7 @@ def test_a_causal_lm_trains_on_its_own_loss(tmp_path):
     text.write_text("\n".join(" ".join(rng.choices(NEUTRAL[:6], k=30)) for _ in range(200)))
     cfg = hf(
         folder,
-        "model.task=causal_lm",
-        "model.loss=output",
-        "dataset=text_files",
-        f"dataset.data_files={text}",
+        *causal_lm_on_text(text),
         "dataset.seq_len=32",
         "dataset.batch_size=8",
         "trainer.max_steps=12",

@@ -21,7 +21,7 @@ from runner.precision.norms import norm_layers
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
-from tests.test_hf import NEUTRAL, _tokenizer, hf
+from tests.test_hf import NEUTRAL, _tokenizer, causal_lm_on_text, hf
 
 HERE = "tests.test_norms"
 CPU = torch.device("cpu")
@@ -114,10 +114,7 @@ def test_a_llamas_rmsnorms_stay_fp32(tmp_path, llama, mode):
     folder, text = llama
     cfg = hf(
         folder,
-        "model.task=causal_lm",
-        "model.loss=output",
-        "dataset=text_files",
-        f"dataset.data_files={text}",
+        *causal_lm_on_text(text),
         "dataset.seq_len=16",
         "dataset.batch_size=4",
         "trainer.max_steps=2",
