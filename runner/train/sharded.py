@@ -3,7 +3,7 @@ once with torch.distributed.checkpoint (DCP), which reshards on load, so a set w
 resumes on any number of them, one process included.
 
 DCP's own reader unpickles a set's `.metadata` with plain `pickle.load`, and the optimizer's
-non-tensor values with `torch.load(weights_only=False)`: a hostile folder would run code. Here the
+non-tensor values with an unrestricted `torch.load`: a hostile folder would run code. Here the
 metadata goes through an unpickler that admits DCP's metadata classes only, and the values
 through `weights_only=True`; the tensors DCP already reads with `weights_only=True`."""
 
