@@ -10,9 +10,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from runner.cli import fail, informational, is_multirun, preflight, sweep_keys, with_seeds
 from runner.compare import CompareCallback
-from runner.errors import Preempted, UserError, first_line
+from runner.config.commandline import informational, is_multirun, sweep_keys, with_seeds
+from runner.config.preflight import preflight
+from runner.errors import Preempted, UserError, fail, first_line
 from runner.tracking import SWEEP_KEYS_ENV
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -63,3 +64,9 @@ def building(key: str, node: Mapping) -> Iterator[None]:
         target = node.get("_target_") if isinstance(node, Mapping) else None
         what = f"{key} ({target})" if target else key
         raise UserError(f"cannot build {what} from the config: {first_line(cause)}") from cause
+
+
+def fail(error: UserError) -> None:
+    """One line on stderr, then exit: 2 for bad input, 1 for a run that stopped itself."""
+    print(f"error: {clip(str(error), 600)}", file=sys.stderr)
+    sys.exit(getattr(error, "exit_code", 2))

@@ -14,48 +14,26 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
+from runner.config.validation import validate
 from runner.errors import Preempted, UserError, building, first_line
 from runner.measure import truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp16_health
 from runner.measure.memory import account
 from runner.precision import DeviceCaps, Precision, mode_of
+from runner.precision.caps import resolve_device
 from runner.task import DataModule, Task
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
 from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
-from runner.validation import validate
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # CUDA generators too
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise UserError(
-                f"trainer.device={name} but CUDA is not available here (torch {torch.__version__}, "
-                f"{built}); use trainer.device=cpu or auto"
-            )
-        device = torch.device(name)
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(
-                f"trainer.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        return device
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError(
-            "trainer.device=mps but MPS is not available here; use trainer.device=cpu or auto"
-        )
-    return torch.device(name)
 
 
 def build(cfg: DictConfig) -> tuple[DataModule, Task]:

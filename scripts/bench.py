@@ -64,12 +64,13 @@ from runner.compare.interleave import (
     trainer_timer,
     workspace,
 )
+from runner.config.validation import validate
 from runner.precision import DeviceCaps, Precision, master, plan
-from runner.run import build, resolve_device, run, seed_everything
+from runner.precision.caps import resolve_device
+from runner.run import build, run, seed_everything
 from runner.task import Batch, DataModule, Task
 from runner.train.optim import build_optimizers
 from runner.train.telemetry import compile_counts
-from runner.validation import validate
 
 OVERRIDES = [
     "model=bert",

@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from runner.config import PrecisionConfig
+from runner.config.validation import validate
 from runner.errors import UserError
 from runner.precision import DeviceCaps, Precision
 from runner.precision.bf16_true import stochastic_round
 from runner.run import build, run, seed_everything
 from runner.train.optim import AdamW, build_optimizer
-from runner.validation import validate
 from tests.helpers import load_last, make_cfg, read_metrics
 
 NET = [

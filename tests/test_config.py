@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from runner.cli import expand, preflight
+from runner.config.commandline import expand
+from runner.config.preflight import preflight
+from runner.config.validation import validate
 from runner.errors import UserError, first_line
 from runner.run import build
 from runner.train.optim import build_optimizers
-from runner.validation import validate
 from tests.helpers import TINY_MLP, make_cfg
 
 

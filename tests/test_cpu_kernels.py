@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.profiler import profile
 
+from runner.config.validation import validate
 from runner.errors import UserError
 from runner.precision import caps
 from runner.run import run
-from runner.validation import validate
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
 OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")

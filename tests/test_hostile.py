@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from runner.cli import preflight
+from runner.config.preflight import preflight
 from runner.errors import UserError
 from runner.run import build, run
 from tests.helpers import TINY_MLP, cli, make_cfg, read_metrics
@@ -104,7 +104,7 @@ def test_a_path_through_a_file_is_refused_before_hydra_makes_its_folder(tmp_path
             preflight([*MLP, f"hydra.run.dir={tmp_path / where}"])
     cache = make_cfg(*TINY_MLP, f"cache_dir={tmp_path / 'a_file'}")
     with pytest.raises(UserError, match="cache_dir=.* is invalid: must be a folder"):
-        from runner.validation import validate
+        from runner.config.validation import validate
 
         validate(cache)
 

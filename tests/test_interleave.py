@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from runner.compare import compare, interleave
+from runner.config.validation import validate
 from runner.errors import UserError
-from runner.validation import validate
 from tests.helpers import TINY_MLP, cli, make_cfg
 from tests.test_compare import fake_job
 

@@ -8,7 +8,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from runner.cli import preflight, with_seeds
+from runner.config.commandline import with_seeds
+from runner.config.preflight import preflight
 from runner.errors import UserError
 from tests.helpers import TINY_MLP, cli
 

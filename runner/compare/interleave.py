@@ -28,7 +28,8 @@ from runner.compare.verdicts import median_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
 from runner.precision import Precision
-from runner.run import build, resolve_device, seed_everything
+from runner.precision.caps import resolve_device
+from runner.run import build, seed_everything
 from runner.task import DataModule, Task
 from runner.tracking import RunLog
 from runner.train.optim import build_optimizers

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from runner.errors import UserError
+
 
 @dataclass(frozen=True)
 class DeviceCaps:
@@ -79,3 +81,26 @@ def _cpu_flags() -> frozenset[str]:
 
 def _cpu_name() -> str:
     return _cpuinfo("model name") or "CPU"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise UserError(
+                f"trainer.device={name} but CUDA is not available here (torch {torch.__version__}, "
+                f"{built}); use trainer.device=cpu or auto"
+            )
+        device = torch.device(name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(
+                f"trainer.device={name} but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return device
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError(
+            "trainer.device=mps but MPS is not available here; use trainer.device=cpu or auto"
+        )
+    return torch.device(name)

@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from runner.config import ADAMW
+from runner.config.schema import ADAMW
 from runner.errors import UserError, building
 from runner.precision import bf16_true
 
@@ -149,7 +149,7 @@ def build_optimizer(cfg, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """Weight decay on weight matrices only: biases and norm scales are left alone. The runner's
     AdamW stands in for torch's where the moments' dtype differs from a weight's
     (`optim.state_dtype`) or a bf16 weight needs an update rule (`precision.update`); both are
-    checked against the optimizer by `runner.validation.validate`."""
+    checked against the optimizer by `runner.config.validation.validate`."""
     groups = [
         {"params": [p for p in params if p.ndim >= 2]},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -184,7 +184,7 @@ def lr_factor(
 
 def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
     """Advanced only on optimizer steps that were applied (not on steps the scaler skipped).
-    The keys are checked by `runner.validation.validate`."""
+    The keys are checked by `runner.config.validation.validate`."""
     s = cfg.scheduler
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, max_steps, s.warmup_steps, s.decay, s.min_lr_ratio)

@@ -1,5 +1,5 @@
 """Schemas of the runner-owned config groups (the checks Hydra's types cannot express are in
-runner/validation.py).
+validation.py).
 
 The schemas live in Hydra's ConfigStore as `base_config`, so a misspelt key or a value of the
 wrong type fails at compose time with the key's name. Task-owned groups (model, dataset, optim)

@@ -1,0 +1,128 @@
+"""Checks a command line before Hydra runs it, so that bad input costs one clear line and no
+traceback, and a sweep with a typo in its fifth job fails before the first one starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runner.config.commandline import expand, informational, one_line
+from runner.errors import UserError, first_line
+
+
+def _check_group_choices(jobs: list[list[str]]) -> None:
+    from runner import CONF_DIR
+
+    groups = {
+        d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()
+    }
+    for job in jobs:
+        for override in job:
+            key, _, value = override.lstrip("+~").partition("=")
+            if key in groups and value not in groups[key]:
+                raise UserError(f"unknown {key} {value!r}: choose from {', '.join(groups[key])}")
+
+
+def preflight(args: list[str]) -> None:
+    """Compose and validate every job of the command line. Raises UserError."""
+    if informational(args):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from runner import CONF_DIR
+    from runner.config.validation import validate
+
+    try:
+        jobs = expand(args)
+    except Exception as e:
+        raise UserError(f"cannot parse the command line: {one_line(e)}") from None
+    # A user's own config groups (hydra.searchpath=[pkg://mypkg.conf]) add options that only
+    # composing knows of: Hydra's own message names the missing option there.
+    searchpath = [a for a in args if a.startswith("hydra.searchpath=")]
+    if not searchpath:
+        _check_group_choices(jobs)
+    _check_output_dirs(args)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = compose("config", overrides=job + searchpath)
+            except Exception as e:
+                raise UserError(one_line(e)) from None
+            _resolve(cfg)
+            validate(cfg)
+            check_buildable(cfg)
+
+
+def _check_output_dirs(args: list[str]) -> None:
+    """Hydra makes its output folder before any of the runner's code runs: a path through a
+    file would stop it with a traceback."""
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or "${" in value:
+            continue
+        for path in (Path(value), *Path(value).parents):
+            if path.exists() and not path.is_dir():
+                raise UserError(f"{key}={value} is invalid: {path} is a file, not a folder")
+
+
+def _resolve(cfg) -> None:
+    """Every interpolation resolved once, so that an unset variable or a missing key is one
+    line naming the key here, not a traceback wherever it is first read."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        key = e.full_key
+        raise UserError(f"{key} is required: set it on the command line ({key}=...)") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise UserError(f"{key + ': ' if key else ''}cannot resolve it: {first_line(e)}") from None
+
+
+# Keys Hydra's instantiate reads itself, and what the runner passes a task-owned group's target.
+_INSTANTIATE_KEYS = {"_target_", "_recursive_", "_partial_", "_convert_", "_args_"}
+_PASSED = {"model": {"data"}}
+
+
+def check_buildable(cfg) -> None:
+    """What can be checked of a job without training: its device exists, and each `_target_`
+    of the task-owned groups imports and takes the keys its config node gives it (a typo added
+    with `++` is one line here, not an error from the constructor or a key nothing reads)."""
+    import inspect
+
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    from runner.precision.caps import resolve_device
+
+    resolve_device(cfg.trainer.device)
+    for group in ("model", "dataset", "optim"):
+        nodes = [(group, cfg.get(group))]
+        while nodes:
+            path, node = nodes.pop()
+            if not OmegaConf.is_dict(node):
+                continue
+            nodes += [(f"{path}.{k}", v) for k, v in node.items_ex(resolve=False)]
+            target = node.get("_target_")
+            if not isinstance(target, str):
+                continue
+            try:
+                built = get_object(target)
+            except Exception as e:
+                raise UserError(
+                    f"{path}._target_={target} cannot be imported: {one_line(e)}"
+                ) from None
+            try:
+                params = inspect.signature(built).parameters.values()
+            except (TypeError, ValueError):  # no signature to read (a builtin)
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in params):
+                continue
+            names = {p.name for p in params if p.kind is not p.VAR_POSITIONAL}
+            unknown = sorted(set(node) - _INSTANTIATE_KEYS - names)
+            if unknown:
+                takes = ", ".join(sorted(names - _PASSED.get(path, set()) - {"self"}))
+                raise UserError(
+                    f"{path}.{unknown[0]} is not a key {target} takes (it takes: {takes})"
+                )

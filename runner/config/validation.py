@@ -1,0 +1,190 @@
+"""The checks of a composed config that Hydra's types cannot express: ranges and choices of the
+runner-owned groups; the optimizer's keys are checked in optim.py, the task groups' in tasks.py.
+Each failure is one UserError line naming the key, its value and what is allowed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from runner.config.optim import validate_optim
+from runner.config.rules import integer, number, require
+from runner.config.schema import BF16_UPDATES, CPU_KERNELS, Config, StageConfig
+from runner.config.tasks import validate_task
+from runner.precision.modes import MODES, choices
+
+
+def _validate_stages(stages) -> None:
+    require(len(stages) > 0, "precision.stages", [], "precision=staged needs at least one stage")
+    previous = 0
+    for i, stage in enumerate(stages):
+        key = f"precision.stages.{i}"
+        require(
+            stage.mode in choices(stage=True),
+            f"{key}.mode",
+            stage.mode,
+            "allowed: " + ", ".join(choices(stage=True)),
+        )
+        if i == len(stages) - 1:
+            require(
+                stage.until_step is None,
+                f"{key}.until_step",
+                stage.until_step,
+                "the last stage runs to the end: leave it null",
+            )
+        else:
+            require(
+                stage.until_step is not None and stage.until_step > previous,
+                f"{key}.until_step",
+                stage.until_step,
+                f"must be a step after the previous stage's ({previous})",
+            )
+            previous = stage.until_step
+
+
+def _validate_known(node, schema, path: str) -> None:
+    """Every key of a runner-owned group is one its schema has: `++trainer.max_stepz=5` adds a
+    key that nothing would read."""
+    if isinstance(node, DictConfig) and isinstance(schema, DictConfig):
+        for key in node:
+            require(
+                key in schema,
+                f"{path}.{key}",
+                node.get(key),
+                f"{path} has no key {key!r} (allowed: {', '.join(schema)})",
+            )
+            _validate_known(node[key], schema[key], f"{path}.{key}")
+    elif isinstance(node, ListConfig) and path == "precision.stages":
+        for i, stage in enumerate(node):
+            _validate_known(stage, OmegaConf.structured(StageConfig), f"{path}.{i}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need more than a type: ranges and choices. Raises UserError."""
+    schema = OmegaConf.structured(Config)
+    known = list(schema.keys())  # `in` on a DictConfig passes over keys that are ??? (model)
+    for key in cfg:
+        require(key in known, key, cfg.get(key), f"not a key (allowed: {', '.join(known)})")
+    for group in ("precision", "trainer", "logger", "runner"):
+        _validate_known(cfg[group], schema[group], group)
+    t, p = cfg.trainer, cfg.precision
+    for key in (
+        "max_steps",
+        "accumulate_grad_batches",
+        "log_every_n_steps",
+        "keep_last_k",
+        "max_consecutive_nonfinite",
+    ):
+        require(t[key] >= 1, f"trainer.{key}", t[key], "must be ≥ 1")
+    require(
+        t.gradient_clip_val is None or t.gradient_clip_val >= 0,
+        "trainer.gradient_clip_val",
+        t.gradient_clip_val,
+        "must be ≥ 0, or null to turn clipping off",
+    )
+    require(
+        t.gradient_clip_algorithm in ("norm", "value"),
+        "trainer.gradient_clip_algorithm",
+        t.gradient_clip_algorithm,
+        "allowed: norm, value",
+    )
+    warmup = t.benchmark.warmup_steps
+    require(warmup >= 0, "trainer.benchmark.warmup_steps", warmup, "must be ≥ 0")
+    for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
+        require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")
+    require(
+        re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", t.device) is not None,
+        "trainer.device",
+        t.device,
+        "allowed: auto, cpu, cuda, cuda:N, mps",
+    )
+    require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
+    refusal = MODES[p.mode].fsdp_refusal if p.mode in MODES else None
+    require(not (t.strategy == "fsdp" and refusal), "precision.mode", p.mode, refusal or "")
+    require(
+        p.mode in choices(),
+        "precision.mode",
+        p.mode,
+        "allowed: " + ", ".join(choices()),
+    )
+    if p.mode == "staged":
+        _validate_stages(p.stages)
+    update = p["update"]
+    require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
+    why = "applies to precision=bf16_true only"
+    require(update == "plain" or p.mode == "bf16_true", "precision.update", update, why)
+    require(
+        p.cpu_kernels in CPU_KERNELS,
+        "precision.cpu_kernels",
+        p.cpu_kernels,
+        "allowed: " + ", ".join(CPU_KERNELS),
+    )
+    require(
+        p.reduce_dtype in ("fp32", "bf16"),
+        "precision.reduce_dtype",
+        p.reduce_dtype,
+        "allowed: fp32, bf16",
+    )
+    gs = p.grad_scaler
+    require(
+        number(gs.init_scale) and gs.init_scale > 0,
+        "precision.grad_scaler.init_scale",
+        gs.init_scale,
+        "must be a finite number > 0",
+    )
+    require(
+        number(gs.growth_factor) and gs.growth_factor > 1,
+        "precision.grad_scaler.growth_factor",
+        gs.growth_factor,
+        "must be a finite number > 1",
+    )
+    require(
+        0 < gs.backoff_factor < 1,
+        "precision.grad_scaler.backoff_factor",
+        gs.backoff_factor,
+        "must be between 0 and 1",
+    )
+    require(
+        gs.growth_interval >= 1,
+        "precision.grad_scaler.growth_interval",
+        gs.growth_interval,
+        "must be ≥ 1",
+    )
+    lg = cfg.logger
+    require(lg.backend in ("wandb", "none"), "logger.backend", lg.backend, "allowed: wandb, none")
+    require(
+        lg.mode in ("offline", "online", "disabled"),
+        "logger.mode",
+        lg.mode,
+        "allowed: offline, online, disabled",
+    )
+    for pattern in p.fp32_modules:
+        require(
+            isinstance(pattern, str) and pattern.strip() != "",
+            "precision.fp32_modules",
+            list(p.fp32_modules),
+            "module names or fnmatch patterns, none empty (an empty name is the whole model)",
+        )
+    for pattern in p.norm_modules:
+        require(
+            pattern.strip() != "",
+            "precision.norm_modules",
+            list(p.norm_modules),
+            "class names or fnmatch patterns of module names, none empty",
+        )
+    require(
+        integer(cfg.seed) and 0 <= cfg.seed < 2**32,
+        "seed",
+        cfg.seed,
+        "must be an integer in [0, 2**32)",
+    )
+    cache = Path(str(cfg.cache_dir)).expanduser()
+    require(not cache.exists() or cache.is_dir(), "cache_dir", cfg.cache_dir, "must be a folder")
+    r = cfg.runner
+    for key, least in (("seeds", 1), ("speed_rounds", 2), ("speed_steps", 1)):
+        require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
+    require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
+    validate_optim(cfg.optim, update)
+    validate_task(cfg)
