@@ -44,7 +44,7 @@ def test_switching_carries_the_grad_scaler_across_other_stages():
     assert p.at_step(2) and p.mode == "fp16" and p.scaler is not None  # created
     first = p.scaler
     first.scale(torch.ones(()))  # the scale is made on first use
-    first.update(new_scale=8.0)
+    first.grad_scaler.update(new_scale=8.0)
     assert not p.at_step(4) and p.scaler is first and p.loss_scale == 8.0  # carried
     assert p.at_step(6) and p.mode == "bf16" and p.scaler is None  # dormant
     assert p.state_dict()["scaler"]["scale"] == 8.0  # checkpointed while dormant

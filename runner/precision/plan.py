@@ -1,5 +1,6 @@
 """The precision in force: which mode runs (a fixed one, `auto`, or a `staged` schedule by
-optimizer step), its autocast context, its GradScaler, and the process-wide TF32 settings."""
+optimizer step), its autocast context, its loss scaler (runner/precision/scaler.py), and the
+process-wide TF32 settings."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights, average_over_ranks
 from runner.precision.modes import Mode, mode_of
 from runner.precision.norms import norm_layers
+from runner.precision.scaler import LossScaler
 from runner.precision.step import StepResult, optimizer_step
 
 
@@ -38,32 +40,22 @@ class Precision:
         `world`: the ranks whose gradients fp16_master averages itself (it is not DDP-wrapped)."""
         self.caps = caps or DeviceCaps.probe(device)
         self.sharded, self.world = sharded, world
-        self.cfg = cfg
-        self.requested = cfg.mode
-        self.device = device
+        self.cfg, self.requested, self.device = cfg, cfg.mode, device
         self.warnings: list[str] = []
-        plan = (
-            [(s.until_step, s.mode) for s in cfg.stages]
-            if cfg.mode == "staged"
-            else [(None, cfg.mode)]
-        )
+        staged = cfg.mode == "staged"
+        plan = [(s.until_step, s.mode) for s in cfg.stages] if staged else [(None, cfg.mode)]
         # (until_step, mode, why) per stage; one stage unless staged
         self.stages = [(until, *self._resolve(mode)) for until, mode in plan]
-        self.name = "staged" if cfg.mode == "staged" else self.stages[0][1]
-        # One scaler for the run, made when any stage scales the loss: between two fp16 stages it
-        # lies dormant (and is checkpointed), so the second resumes at the scale the first reached.
-        scaled = any(mode_of(mode).scales_loss for _, mode, _ in self.stages)
-        self._scaler = self._make_scaler() if scaled else None
+        self.name = "staged" if staged else self.stages[0][1]
+        modes = [m for _, m, _ in self.stages]
+        self.loss_scaler = LossScaler(cfg.grad_scaler, device, sharded, modes)
         self.master = MasterWeights()
         # fp8's Linears are converted once; they compute in fp8 in fp8 stages only
-        self.fp8 = Float8(cfg.fp8) if any(mode_of(m).fp8 for _, m, _ in self.stages) else None
+        self.fp8 = Float8(cfg.fp8) if any(mode_of(m).fp8 for m in modes) else None
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
-        self.fast_kernels = FastKernels(
-            emulated_dtypes(cfg.cpu_kernels, self.caps, [m for _, m, _ in self.stages])
-        )
+        self.fast_kernels = FastKernels(emulated_dtypes(cfg.cpu_kernels, self.caps, modes))
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
         self._saved_cudnn_tf32 = torch.backends.cudnn.allow_tf32
-        self._no_scale = torch.ones((), device=device)
         self.mode = ""
         self._enter(*self.stages[0][1:])
 
@@ -83,28 +75,16 @@ class Precision:
             self.warnings.append(why)
         return mode, why
 
-    def _make_scaler(self) -> torch.amp.GradScaler:
-        gs = self.cfg.grad_scaler
-        scaler = torch.amp.GradScaler
-        if self.sharded:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as scaler
-        return scaler(
-            self.device.type,
-            init_scale=gs.init_scale,
-            growth_factor=gs.growth_factor,
-            backoff_factor=gs.backoff_factor,
-            growth_interval=gs.growth_interval,
-        )
-
     @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The GradScaler in force: only in loss-scaled modes."""
-        return self._scaler if self.in_force.scales_loss else None
+    def scaler(self) -> LossScaler | None:
+        """The loss scaler in force: only in loss-scaled modes."""
+        return self.loss_scaler.active
 
     def _enter(self, mode: str, reason: str) -> None:
         self.mode, self.reason = mode, reason
         self.in_force: Mode = mode_of(mode)
         self.dtype = self.in_force.autocast
+        self.loss_scaler.enter(self.in_force)
         if self.fp8:
             self.fp8.active = self.in_force.fp8
         # Explicit either way: a previous stage or job in this process may have left "high".
@@ -205,7 +185,7 @@ class Precision:
             clip_per_group,
             loss,
             reduce=self._average_over_ranks if self.master and self.world > 1 else None,
-            no_scale=self._no_scale,
+            no_scale=self.loss_scaler.unscaled,
         )
         self.master.copy_back()
         if self.fp8:
@@ -220,19 +200,15 @@ class Precision:
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.get_scale() if self.scaler else 1.0
+        return self.loss_scaler.loss_scale
 
     def state_dict(self) -> dict:
         """The scaler's state (also while dormant between fp16 stages), and fp16_master's fp32
         weights (in the model's parameter order)."""
-        return {
-            "scaler": self._scaler.state_dict() if self._scaler else None,
-            **self.master.state_dict(),
-        }
+        return {"scaler": self.loss_scaler.state_dict(), **self.master.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self._scaler and state.get("scaler"):
-            self._scaler.load_state_dict(state["scaler"])
+        self.loss_scaler.load_state_dict(state.get("scaler"))
         self.master.load_state_dict(state)
 
     def describe(self) -> str:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from runner.precision.scaler import LossScaler
+
 
 @dataclass
 class StepResult:
@@ -50,7 +52,7 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 def optimizer_step(
     optimizers: Sequence[torch.optim.Optimizer],
     parameters: Sequence[torch.Tensor],
-    scaler: torch.amp.GradScaler | None,
+    scaler: LossScaler | None,
     clip_val: float | None,
     clip_algorithm: str = "norm",
     clip_per_group: bool = True,
@@ -98,8 +100,7 @@ def optimizer_step(
             else:
                 opt.step()
     if scaler:
-        loss_scale = scaler._get_scale_async().clone()  # update() changes it in place
-        scaler.update()  # backs the scale off if unscale_ found inf/NaN
+        loss_scale = scaler.update()  # the scale the step's gradients carried
     else:
         loss_scale = no_scale if no_scale is not None else torch.ones((), device=grad_norm.device)
     return StepResult(grad_norm.detach(), skipped, loss_scale)
