@@ -1,7 +1,7 @@
 """The training loop, as the articles write it: a window of micro-batches → forward and backward
 under the precision's autocast → one optimizer step → record → at a flush point: log, evaluate,
 checkpoint. Timing lives in `Meter`, checkpoint files in `Checkpointer`, non-finite forensics in
-`Forensics`, signals in `Preemption`."""
+`Forensics`, signals in `Preemption`, evaluation in `Evaluation`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from runner import console
 from runner.console import ProgressBar
-from runner.errors import Preempted, first_line
+from runner.errors import Preempted
 from runner.measure.health import gradient_health
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
@@ -23,6 +23,7 @@ from runner.train import distributed
 from runner.train.checkpoint import Checkpointer
 from runner.train.diagnostics import Forensics
 from runner.train.distributed import Dist
+from runner.train.evaluation import Evaluation
 from runner.train.preemption import Preemption
 from runner.train.telemetry import Meter, read_later
 
@@ -62,12 +63,15 @@ class Trainer:
         self.model = model or task
         self.sharded = precision.sharded  # FSDP: each rank holds a shard of the weights
         self.step = self.samples_seen = self.skipped_steps = self.consecutive_skipped = 0
+        self.collapsed = False  # the loss scale overflowed at its floor: the run stops
         self.lr = 0.0  # of the last step taken
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
-        self.eval_error: dict | None = None  # the step whose evaluation failed, and why
         self.conversion: dict | None = None  # resumed from another precision: what changed
         self.meter = Meter(
             cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, task
+        )
+        self.evaluation = Evaluation(
+            task, data, precision.autocast, cfg.limit_val_batches, self._to_device, self.sharded
         )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
@@ -110,15 +114,16 @@ class Trainer:
 
     def _flush(self, due: dict[str, bool], bar: ProgressBar) -> None:
         """A measurement point: the device is waited for here anyway. Log the interval, evaluate,
-        report a non-finite step, and checkpoint; stop if preempted or stuck non-finite."""
+        report a non-finite step, and checkpoint; stop if preempted, stuck non-finite or the
+        loss scale collapsed."""
         self.settle()
         rows = self.meter.flush(self.skipped_steps)
         if rows:
             # Written before evaluation: an evaluation that fails, or never returns, costs none.
             self.log.log_rows(rows)
             # Rank 0 evaluates while the others go on, unless the weights are sharded.
-            if due["eval"] and self.eval_error is None and (self.dist.main or self.sharded):
-                if metrics := self._evaluate_or_warn():
+            if due["eval"] and (self.dist.main or self.sharded):
+                if metrics := self.evaluation.at(self.step):
                     rows[-1].update(metrics)
                     self.log.amend_last(rows[-1], metrics)
             last = rows[-1]
@@ -128,13 +133,15 @@ class Trainer:
             self.forensics.on_skipped(
                 *trouble, self.meter.rows, self.consecutive_skipped, self._stuck
             )
-        preempted = self.preemption.requested
-        if due["checkpoint"] or due["last"] or preempted:
+        preempted, collapsed = self.preemption.requested, self.collapsed
+        if due["checkpoint"] or due["last"] or preempted or collapsed:
             self.checkpointer.save(
                 self.state_dict(), self.step, due["checkpoint"], self._state_tensors()
             )
         if preempted:
             raise Preempted(self.preemption.signal, self.step)
+        if collapsed:  # checkpointed: skipped steps left the weights finite, resumable in bf16
+            raise self.forensics.collapse(self.step)
         self.meter.lap()
 
     def train_step(self, window: list[Batch]) -> tuple[dict[str, torch.Tensor], StepResult] | None:
@@ -151,7 +158,7 @@ class Trainer:
         totals = self._forward_backward(window, norm)
         # This step's work is queued: waiting for the previous step's flag leaves no gap.
         self.settle()
-        if self._stuck:
+        if self._stuck or self.collapsed:
             self._zero_grad()
             return None
         self.lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
@@ -225,6 +232,7 @@ class Trainer:
             return
         self.skipped_steps += 1
         self.consecutive_skipped += 1
+        self.collapsed = self.precision.loss_scaler.collapsed()  # read on skipped steps only
         first = self.forensics.report is None
         if self._trouble is None and (first or self._stuck):
             replay = first and self.forensics.replay(pending, self.params, self._to_device)
@@ -233,41 +241,6 @@ class Trainer:
     @property
     def _stuck(self) -> bool:
         return self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
-
-    def _evaluate_or_warn(self) -> dict[str, float]:
-        """The evaluation's metrics. An error inside it (the user's net or validation data) is
-        one warning line and `eval_error` in the summary, and evaluation is off for the rest of
-        the run: training goes on, its rows and checkpoints as without evaluation."""
-        try:
-            return self.evaluate()
-        except Exception as e:
-            self.eval_error = {"step": self.step, "error": first_line(e)}
-            console.say(
-                f"[yellow]warning:[/] evaluation at step {self.step} failed: {first_line(e)}; "
-                "training goes on without evaluation (summary.json: eval_error)"
-            )
-            return {}
-
-    @torch.inference_mode()
-    def evaluate(self) -> dict[str, float]:
-        """Under inference_mode and the same autocast as training."""
-        loader = self.data.val_loader(self.cfg.limit_val_batches)
-        if loader is None:
-            return {}
-        sums: dict[str, torch.Tensor] = {}
-        count = 0
-        self.task.eval()
-        try:
-            with distributed.gathered(self.task, self.sharded):
-                for batch in loader:
-                    count += self.task.num_targets(batch)
-                    with self.precision.autocast():
-                        for key, value in self.task.eval_sums(self._to_device(batch)).items():
-                            sums[key] = sums.get(key, 0) + value.float()
-        finally:  # a failed evaluation leaves the task training, as a finished one does
-            self.task.train()
-        totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
-        return {f"eval_{key}": v for key, v in self.task.eval_metrics(totals, count).items()}
 
     def state_dict(self) -> dict:
         self.settle()
@@ -289,6 +262,6 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "final_loss_scale": self.precision.loss_scale,
             **self.meter.summary(),
-            **({"eval_error": self.eval_error} if self.eval_error else {}),
+            **self.evaluation.summary(),
             **({"resumed_across_precision": self.conversion} if self.conversion else {}),
         }
