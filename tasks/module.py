@@ -3,7 +3,6 @@ config. No subclassing: the net sees the dataset's inputs, the loss sees its out
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
@@ -14,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from runner import console
 from runner.errors import UserError, building, first_line
+from runner.precision import layers
 from runner.task import Batch, DataModule, Task
 from tasks.losses import (
     CrossEntropy,
@@ -39,19 +39,18 @@ def blocks(net: nn.Module) -> list[nn.Module]:
     return best if len(best) > 1 else []
 
 
+def _checkpointed(_block: nn.Module, forward, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation: nothing to save
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def recompute_in_backward(block: nn.Module) -> None:
     """Gradient checkpointing: the block keeps only its inputs for backward and runs its forward
-    again there. torch's non-reentrant checkpoint re-enters the autocast state of the forward,
-    so the recomputation runs in the precision the forward ran in."""
-    forward = block.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args, **kwargs):
-        if not torch.is_grad_enabled():  # evaluation: nothing to save
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    block.forward = checkpointed
+    again there (the outermost layer of its forward, runner/precision/layers.py, so islands and
+    casts inside it run again too). torch's non-reentrant checkpoint re-enters the autocast
+    state of the forward, so the recomputation runs in the precision the forward ran in."""
+    layers.add(block, "checkpoint", _checkpointed)
 
 
 def freeze_parameters(net: nn.Module, prefixes: Sequence[str]) -> None:

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from runner.precision import layers
+
 
 def _cast_to(dtype: torch.dtype):
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -31,16 +33,18 @@ def _cast_to(dtype: torch.dtype):
     return cast
 
 
-def _inputs_in_own_dtype(module: nn.Module, args: tuple, kwargs: dict):
-    dtype = next(module.parameters(recurse=False)).dtype
-    return tree_map_only(torch.Tensor, _cast_to(dtype), (args, kwargs))
+def _casts(own: bool, out: torch.dtype | None):
+    """The `cast` layer of a module: its floating inputs in its own weights' dtype (`own`), and
+    its output handed on in `out` (bf16 after an fp32 norm layer, fp32 out of a task's net)."""
 
+    def layer(module: nn.Module, forward, *args, **kwargs):
+        if own:
+            dtype = next(module.parameters(recurse=False)).dtype
+            args, kwargs = tree_map_only(torch.Tensor, _cast_to(dtype), (args, kwargs))
+        output = forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, _cast_to(out), output) if out else output
 
-def _output_in(dtype: torch.dtype):
-    def hook(_module: nn.Module, _inputs, output):
-        return tree_map_only(torch.Tensor, _cast_to(dtype), output)
-
-    return hook
+    return layer
 
 
 def prepare(
@@ -49,8 +53,9 @@ def prepare(
     """Cast each module's own floating parameters and buffers to bf16, except in fp32 islands
     (and their submodules) and in `norms` (the norm layers, where they keep fp32); give every
     bf16 weight the update rule it takes (`bf16_update`); install the casts at module
-    boundaries."""
+    boundaries (the `cast` layer, runner/precision/layers.py)."""
     kept = {id(m) for island in islands for m in island.modules()}
+    nets = set(task.children())
     for module in task.modules():
         norm = module in norms
         if id(module) not in kept and not norm:
@@ -61,12 +66,16 @@ def prepare(
                 if param.is_floating_point():
                     param.data = param.data.to(torch.bfloat16)
                     param.bf16_update = update
-        if next(module.parameters(recurse=False), None) is not None:
-            module.register_forward_pre_hook(_inputs_in_own_dtype, with_kwargs=True)
-            if norm and id(module) not in kept:
-                module.register_forward_hook(_output_in(torch.bfloat16))
-    for net in task.children():
-        net.register_forward_hook(_output_in(torch.float32))
+        own = next(module.parameters(recurse=False), None) is not None
+        out = (
+            torch.float32
+            if module in nets
+            else torch.bfloat16
+            if own and norm and id(module) not in kept
+            else None
+        )
+        if own or out:
+            layers.add(module, "cast", _casts(own, out))
 
 
 def stochastic_round(x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 and its floating inputs cast to fp32, in every mode, so a staged run, compile, DDP, FSDP and
 fp16_master all keep them fp32.
 
-The island is a wrapped forward rather than a pair of forward hooks: one `with` block that Dynamo
-traces, and that closes behind itself even when the forward raises."""
+The island is a layer around the forward (runner/precision/layers.py) rather than a pair of
+forward hooks: one `with` block that Dynamo traces, and that closes behind itself even when the
+forward raises."""
 
 from __future__ import annotations
 
@@ -13,20 +14,16 @@ from collections.abc import Sequence
 import torch
 
 from runner.errors import UserError
+from runner.precision import layers
 
 
 def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _island(forward, device_type: str):
-    @functools.wraps(forward)
-    def fp32_forward(*args, **kwargs):
-        with torch.autocast(device_type=device_type, enabled=False):
-            return forward(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
-
-    fp32_forward.fp32_island = True
-    return fp32_forward
+def _island(device_type: str, _module: torch.nn.Module, forward, *args, **kwargs):
+    with torch.autocast(device_type=device_type, enabled=False):
+        return forward(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
 
 
 def find(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
@@ -43,11 +40,10 @@ def find(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
 
 
 def keep_fp32(model: torch.nn.Module, names: Sequence[str], device_type: str) -> None:
-    """Wrap each named submodule's forward in an fp32 island (once: a second call is harmless)."""
+    """Make each named submodule an fp32 island (a second call is harmless)."""
     for module in find(model, names):
-        if not getattr(module.forward, "fp32_island", False):
-            module.forward = _island(module.forward, device_type)
+        layers.add(module, "island", functools.partial(_island, device_type))
 
 
 def is_island(module: torch.nn.Module) -> bool:
-    return getattr(module.forward, "fp32_island", False)
+    return layers.has(module, "island")
