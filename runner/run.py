@@ -131,6 +131,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "torch_version": torch.__version__,
         }
         cap_threads()
+        if cfg.precision.fp32_modules == "auto":  # short runs find them (the search imports run)
+            from runner.precision import island_search
+
+            summary["fp32_islands"] = island_search.before_training(cfg, out, state, ranks.enabled)
         seed_everything(cfg.seed)
         with distributed.main_first(ranks):
             data, task = build(cfg)

@@ -60,8 +60,10 @@ class PrecisionConfig:
     # auto: fast for a dtype the CPU has no units for (runner/precision/cpu_kernels.py).
     cpu_kernels: str = "auto"
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
-    # their inputs cast to fp32: for sensitive layers and ops that only support fp32.
-    fp32_modules: list[str] = field(default_factory=list)
+    # their inputs cast to fp32: for sensitive layers and ops that only support fp32. Or auto:
+    # found before training by short runs (runner/precision/island_search.py). Any, not
+    # list[str] (OmegaConf has no unions): validation allows a list of names or "auto".
+    fp32_modules: Any = field(default_factory=list)
     # Norm layers beyond those recognised (runner/precision/norms.py), by class name or module
     # name (fnmatch patterns): their weights stay fp32 where a mode casts weights, FSDP gathers
     # them in fp32.
@@ -127,6 +129,10 @@ class RunnerConfig:
     speed: str = "jobs"  # or interleaved: each group's precisions timed again (interleave.py)
     speed_rounds: int = 3  # interleaved: rounds alternating the order (median, IQR over them)
     speed_steps: int = 5  # interleaved: timed steps per precision and round, after 2 untimed
+    # The fp32 islands search (python -m runner.islands, precision.fp32_modules=auto): at most
+    # this many modules kept fp32, and each trial run the first islands_steps optimizer steps.
+    islands_max: int = 4
+    islands_steps: int = 50
 
 
 @dataclass

@@ -160,11 +160,18 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
-    for pattern in p.fp32_modules:
+    islands = p.fp32_modules
+    require(
+        islands == "auto" or isinstance(islands, ListConfig),
+        "precision.fp32_modules",
+        islands,
+        "a list of module names ([name, ...]) or auto (searched before training)",
+    )
+    for pattern in [] if islands == "auto" else islands:
         require(
             isinstance(pattern, str) and pattern.strip() != "",
             "precision.fp32_modules",
-            list(p.fp32_modules),
+            list(islands),
             "module names or fnmatch patterns, none empty (an empty name is the whole model)",
         )
     for pattern in p.norm_modules:
@@ -183,7 +190,13 @@ def validate(cfg: DictConfig) -> None:
     cache = Path(str(cfg.cache_dir)).expanduser()
     require(not cache.exists() or cache.is_dir(), "cache_dir", cfg.cache_dir, "must be a folder")
     r = cfg.runner
-    for key, least in (("seeds", 1), ("speed_rounds", 2), ("speed_steps", 1)):
+    for key, least in (
+        ("seeds", 1),
+        ("speed_rounds", 2),
+        ("speed_steps", 1),
+        ("islands_max", 1),
+        ("islands_steps", 1),
+    ):
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     validate_optim(cfg.optim, update)

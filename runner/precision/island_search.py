@@ -1,0 +1,273 @@
+"""The fp32 islands a model needs (`python -m runner.islands`, `precision.fp32_modules=auto`): a
+small set of modules to keep in fp32 that makes a model train in the precision asked for, or the
+word that no small set exists.
+
+A trial is a short run (the first `runner.islands_steps` optimizer steps of the configured run,
+on its LR schedule) in one process. Where it does not train (it stops on non-finite steps, or ends
+non-finite), the failing window is where its last stretch of skipped steps began: the trainer's
+forensics (nonfinite.json) name the first module whose output, or incoming gradient, became
+non-finite there; that module is kept in fp32 and the window replayed (runner/train/diagnostics.py)
+on the weights it saw, at the last loss scale the run reached, until it runs finite. A short run
+then confirms the set, and an fp32 run of the same steps gives the loss to compare against. At
+most `runner.islands_max` modules. Trials run eagerly, without evaluation or checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner import console
+from runner.errors import TrainingStopped, UserError, first_line
+from runner.precision import Precision, mode_of
+from runner.precision.caps import resolve_device
+from runner.run import build, seed_everything
+from runner.tracking import RunLog, dumps
+from runner.train.diagnostics import found_something, replay
+from runner.train.optim import build_optimizers
+from runner.train.trainer import Trainer
+
+RESULT_FILE = "islands.json"
+
+
+def fp32_share(summary: dict) -> float | None:
+    """The share of the audited step's FLOPs that ran in fp32 (the islands' cost in speed)."""
+    flops = summary.get("flops_per_step")
+    return sum(summary.get("fp32_ops", {}).values()) / flops if flops else None
+
+
+def culprit(report: dict) -> str | None:
+    """The module to keep in fp32 next: the first non-finite output in the forward pass, else the
+    first non-finite incoming gradient in backward order."""
+    return report["forward"]["first_nonfinite"] or report["backward"]["first_nonfinite"]
+
+
+class Search:
+    """One config's search: its data and initial weights built once, each trial a copy."""
+
+    def __init__(self, cfg: DictConfig, out: Path):
+        self.cfg, self.out = cfg, out
+        self.steps = min(cfg.trainer.max_steps, cfg.runner.islands_steps)
+        self.device = resolve_device(cfg.trainer.device)
+        precision = Precision(cfg.precision, self.device)
+        precision.close()
+        self.stages = [m for _, m, _ in precision.stages]  # auto and staged resolved
+        if all(mode_of(m).low_dtype is None and not mode_of(m).fp8 for m in self.stages):
+            raise UserError(
+                f"the fp32 islands search needs a low-precision mode: precision={cfg.precision.mode}"
+                " computes in fp32 already (use e.g. precision=fp16 or bf16)"
+            )
+        seed_everything(cfg.seed)
+        self.data, self.initial = build(cfg)
+        self.trials: list[dict] = []
+
+    def _precision(self, task: torch.nn.Module, islands: list[str], **mode) -> Precision:
+        precision = Precision(OmegaConf.merge(self.cfg.precision, mode), self.device)
+        try:
+            precision.prepare(task, islands)
+        except BaseException:
+            precision.close()
+            raise
+        return precision
+
+    def fit(self, islands: list[str], **mode) -> tuple[dict, Trainer]:
+        """A short run with `islands` kept in fp32 (in `mode`'s precision keys where given): its
+        summary, with `stopped` where it stopped itself, and its trainer (whose task holds the
+        weights of the last step applied)."""
+        folder = self.out / f"trial-{len(self.trials)}"
+        task = copy.deepcopy(self.initial).to(self.device)
+        precision = self._precision(task, islands, **mode)
+        log = RunLog(folder)
+        stopped = None
+        try:
+            groups = precision.optimizer_groups(task.parameter_groups())
+            # The configured run's schedule: a trial is its first steps.
+            optimizers, schedulers = build_optimizers(
+                self.cfg.optim, groups, self.cfg.trainer.max_steps
+            )
+            short = OmegaConf.merge(
+                self.cfg.trainer,
+                {"max_steps": self.steps, "val_check_interval": 0, "progress_bar": False},
+            )
+            trainer = Trainer(
+                short, task, self.data, precision, optimizers, schedulers, log, self.device
+            )
+            trainer.checkpointer.save = lambda *args: None  # a trial keeps no checkpoints
+            seed_everything(self.cfg.seed)  # every trial sees the same random stream
+            try:
+                trainer.fit()
+            except TrainingStopped as e:
+                stopped = first_line(e)
+            summary = trainer.summary() | ({"stopped": stopped} if stopped else {})
+        finally:
+            precision.close()
+        loss = summary["final_loss"]
+        summary["trains"] = stopped is None and loss is not None and math.isfinite(loss)
+        log.finish(summary)
+        self.trials.append(
+            {
+                "kind": "run",
+                "folder": folder.name,
+                "precision": precision.name,
+                "fp32_modules": list(islands),
+                "trains": summary["trains"],
+                "steps": summary["steps"],
+                "skipped_steps": summary["skipped_steps"],
+                "final_loss": loss,
+                "fp32_flop_share": fp32_share(summary),
+                **({"stopped": stopped} if stopped else {}),
+            }
+        )
+        return summary, trainer
+
+    def window(self, step: int) -> list[dict]:
+        """The micro-batches of optimizer step `step` (the stream's batches are all full)."""
+        k = self.cfg.trainer.accumulate_grad_batches
+        batches = iter(self.data.train_loader((step - 1) * self.data.batch_size * k))
+        return [next(batches) for _ in range(k)]
+
+    def replay(self, weights: dict, islands: list[str], step: int, loss_scale: float) -> dict:
+        """Step `step`'s window forward and backward again on `weights` with `islands` kept in
+        fp32, at `loss_scale`: the forensics' report."""
+        task = copy.deepcopy(self.initial)
+        task.load_state_dict(weights)
+        task.to(self.device)
+        precision = self._precision(task, islands)
+        try:
+            precision.at_step(step - 1)  # a staged run: the stage of that step
+            window = self.window(step)
+            norm = sum(task.num_targets(b) for b in window)
+            with precision.fast_kernels:
+                report = replay(
+                    task,
+                    precision,
+                    window,
+                    lambda b: {k: v.to(self.device) for k, v in b.items()},
+                    loss_scale / norm,
+                    loss_scale,
+                )
+        finally:
+            precision.close()
+        self.trials.append(
+            {
+                "kind": "replay",
+                "step": step,
+                "fp32_modules": list(islands),
+                "finite": not found_something(report),
+                "first_nonfinite": culprit(report),
+            }
+        )
+        return report
+
+    def grow(self, islands: list[str], trainer: Trainer) -> str | None:
+        """After a failed trial: modules added to `islands` until its failing window replays
+        finite. Returns why no small set exists, or None when the window now runs finite."""
+        rows = trainer.meter.rows  # the last is skipped: the run stopped, or ended, non-finite
+        step = rows[-1]["step"]
+        for row in reversed(rows[:-1]):
+            if not row["skipped"]:
+                break
+            step = row["step"]
+        # Skipped steps change no weight: the task holds those the failing step saw.
+        weights = {k: v.detach().clone() for k, v in trainer.task.state_dict().items()}
+        loss_scale = float(rows[-1]["loss_scale"])  # the lowest the scaler backed off to
+        forensics = trainer.forensics.report
+        if forensics and forensics["step"] == step:
+            report = forensics  # nonfinite.json: the failing step, as the run replayed it
+        else:
+            report = self.replay(weights, islands, step, loss_scale)
+        if not found_something(report):
+            return f"step {step} replays finite: no module's range is at fault"
+        while found_something(report):
+            module = culprit(report)
+            if module is None:
+                return f"step {step} has non-finite gradients in no module's output"
+            if module in islands:
+                return f"{module} is non-finite at step {step} even in fp32"
+            if len(islands) >= self.cfg.runner.islands_max:
+                return (
+                    f"{len(islands)} modules kept in fp32 (runner.islands_max) and {module} "
+                    f"is still non-finite at step {step}"
+                )
+            islands.append(module)
+            report = self.replay(weights, islands, step, loss_scale)
+        return None
+
+
+def percent(share: float | None) -> str:
+    return "?" if share is None else f"{share:.1%}"
+
+
+def _advice(stages: list[str]) -> str:
+    """What to train in instead: bf16 (fp32's range) where fp16 overflows, else fp32."""
+    return "bf16" if any(mode_of(m).low_dtype == torch.float16 for m in stages) else "fp32"
+
+
+def search(cfg: DictConfig, out: Path) -> dict:
+    """The islands for `cfg` (its `precision.fp32_modules` list, if any, the starting set): the
+    trials in `out/trial-N/`, the result returned and written to `out/islands.json`."""
+    s = Search(cfg, out)
+    start = cfg.precision.fp32_modules
+    islands = [] if start == "auto" else list(start)
+    summary, trainer = s.fit(islands)
+    why = None
+    while not summary["trains"]:
+        console.say(f"islands: {summary.get('stopped', 'non-finite at the end')}; replaying")
+        if why := s.grow(islands, trainer):
+            break
+        summary, trainer = s.fit(islands)
+    name = trainer.precision.name
+    result = {
+        "precision": name,
+        "steps": s.steps,
+        "found": why is None,
+        "fp32_modules": islands,
+        "trials": s.trials,
+    }
+    if why is None:
+        reference, _ = s.fit([], mode="fp32", stages=[])
+        share, loss, fp32_loss = fp32_share(summary), summary["final_loss"], reference["final_loss"]
+        line = f"precision.fp32_modules=[{','.join(islands)}]"
+        result |= {
+            "config": line,
+            "fp32_flop_share": share,
+            "final_loss": loss,
+            "fp32_final_loss": fp32_loss,
+            "loss_gap": loss - fp32_loss,
+            "verdict": (
+                f"keep {', '.join(islands)} in fp32: {line}"
+                if islands
+                else f"{name} trains as is: no fp32 islands needed"
+            )
+            + f" ({percent(share)} of the FLOPs in fp32; loss after {summary['steps']} steps "
+            f"{loss:.4g}, fp32's {fp32_loss:.4g})",
+        }
+    else:
+        result["verdict"] = f"no small set: use {_advice(s.stages)} ({why})"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(dumps(result, indent=2) + "\n")
+    return result
+
+
+def before_training(cfg: DictConfig, out: Path, state: dict | None, several_ranks: bool) -> dict:
+    """`precision.fp32_modules=auto`: the islands searched for in `out/islands/` (a resumed run:
+    those its checkpoint's run found), set into `cfg` for training; the summary's record of them.
+    No small set is one error line."""
+    saved = (state or {}).get("config", {}).get("precision", {}).get("fp32_modules")
+    if isinstance(saved, list):
+        cfg.precision.fp32_modules = saved
+        return {"fp32_modules": saved, "found": True, "from": "checkpoint"}
+    if several_ranks:
+        raise UserError(
+            "precision.fp32_modules=auto searches in one process: run python -m runner.islands "
+            "with the same overrides, then train with the precision.fp32_modules=[...] it prints"
+        )
+    result = search(cfg, out / "islands")
+    if not result["found"]:
+        raise UserError(f"precision.fp32_modules=auto: {result['verdict']}")
+    cfg.precision.fp32_modules = result["fp32_modules"]
+    return {k: v for k, v in result.items() if k != "trials"}
