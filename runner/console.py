@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -54,3 +56,13 @@ def summary_table(summary: dict) -> None:
             value = f"{value:.4g}"
         table.add_row(key, str(value))
     Console().print(table)
+
+
+def _not_a_missing_library(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load")
+
+
+def quiet_torchao() -> None:
+    """torchao logs "Failed to load ..._C_*.so" for each CUDA kernel library a CPU cannot load:
+    those lines are dropped, its other messages kept (fp8 and the torchao optimizers use it)."""
+    logging.getLogger("torchao").addFilter(_not_a_missing_library)

@@ -65,7 +65,7 @@ from runner.compare.interleave import (
     workspace,
 )
 from runner.config.validation import validate
-from runner.precision import DeviceCaps, Precision, master, plan
+from runner.precision import DeviceCaps, Precision, master, plan, reduce
 from runner.precision.caps import resolve_device
 from runner.run import build, run, seed_everything
 from runner.task import Batch, DataModule, Task
@@ -287,7 +287,7 @@ def _average_per_tensor(grads: list[torch.Tensor], world: int, dtype: torch.dtyp
 
 AVERAGING = {
     "per-tensor": (_accumulate_per_tensor, _average_per_tensor),
-    "bucketed": (master.MasterWeights.accumulate, master.average_over_ranks),
+    "bucketed": (master.MasterWeights.accumulate, reduce.average_over_ranks),
 }
 
 

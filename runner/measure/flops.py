@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from runner.precision.layers import recomputing
+
 # Dense (no sparsity) peak TFLOP/s per GPU model and mode. Sources: NVIDIA's product datasheets
 # (H100/H200 NVL and HGX B200/GB200 NVL72 tables divided per GPU), the Ampere/Ada/Blackwell
 # GeForce whitepapers (FP32-accumulate tensor rates, which PyTorch uses), AWS's A10G figures and
@@ -55,14 +57,6 @@ _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
 _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
 # fp8 GEMMs show as float8 inputs of `_scaled_mm` on a GPU (on a CPU torchao emulates them in bf16)
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
-
-
-def recomputing() -> bool:
-    """Whether the op running now is a forward run again in backward (gradient checkpointing).
-    Autograd runs backward with grad mode off (no `create_graph` here); a checkpoint turns it on
-    to record the forward it recomputes, reentrant or not. (A double backward would count here
-    too; no task takes one.)"""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
 class PrecisionAudit(TorchDispatchMode):

@@ -16,7 +16,7 @@ from runner.measure.memory import local
 from runner.precision.islands import is_island
 from runner.precision.modes import mode_of
 from runner.precision.norms import norm_layers
-from runner.train import distributed
+from runner.precision.reduce import bf16_average
 
 
 def short(dtype: torch.dtype | None) -> str | None:
@@ -96,7 +96,7 @@ def _reduce(model, precision, policy, grad: str, stand_in: torch.Tensor) -> str 
         hooks = [hook for hook, _ in model._comm_hooks]
         if not hooks:
             return grad  # DDP's buckets all-reduce in the gradients' dtype
-        return "bf16" if hooks[-1] is distributed._bf16_average else hooks[-1].__name__
+        return "bf16" if hooks[-1] is bf16_average else hooks[-1].__name__
     if precision.master and precision.world > 1:
         # fp16_master averages the fp32 gradients itself, sent in bf16 where asked
         return "bf16" if precision.cfg.reduce_dtype == "bf16" else held(stand_in)

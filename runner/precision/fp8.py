@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from runner import console
 from runner.errors import UserError
-from runner.measure.flops import recomputing
+from runner.precision.layers import recomputing
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
@@ -27,11 +28,7 @@ FP8_DIMENSION = 16  # torch._scaled_mm on a GPU needs the inner and outer dims m
 
 def _torchao_float8():
     """torchao's float8 module, imported only when fp8 is asked for (it is a large import)."""
-    from runner.train.optim import (
-        quiet_torchao,  # here: runner.train.optim imports runner.precision
-    )
-
-    quiet_torchao()
+    console.quiet_torchao()
     try:
         import torchao.float8 as float8
     except ImportError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 ORDER = ("checkpoint", "island", "cast", "fp8")
@@ -52,3 +53,11 @@ def add(module: nn.Module, name: str, layer: Layer) -> None:
 def has(module: nn.Module, name: str) -> bool:
     """Whether `module`'s forward has the layer `name`."""
     return name in module.__dict__.get("_forward_layers", {})
+
+
+def recomputing() -> bool:
+    """Whether the op running now is a forward run again in backward (gradient checkpointing).
+    Autograd runs backward with grad mode off (no `create_graph` here); a checkpoint turns it on
+    to record the forward it recomputes, reentrant or not. (A double backward would count here
+    too; no task takes one.)"""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from runner.errors import UserError
 from runner.precision.islands import is_island
 from runner.precision.norms import norm_layers
+from runner.precision.reduce import bf16_average
 
 
 @dataclass(frozen=True)
@@ -125,21 +126,8 @@ def wrap(task: torch.nn.Module, d: Dist, strategy: str, precision, device: torch
 
     ddp = DistributedDataParallel(task, device_ids=[device] if device.type == "cuda" else None)
     if reduce_dtype == torch.bfloat16:
-        ddp.register_comm_hook(None, _bf16_average)
+        ddp.register_comm_hook(None, bf16_average)
     return ddp
-
-
-def _bf16_average(group, bucket):
-    """A DDP comm hook: the bucket's gradients averaged over ranks in bf16 (half the traffic),
-    on any backend (PyTorch's own bf16 hook needs NCCL)."""
-    group = group or dist.group.WORLD
-    low = bucket.buffer().div(dist.get_world_size(group)).bfloat16()
-    future = dist.all_reduce(low, group=group, async_op=True).get_future()
-
-    def back(done):
-        return bucket.buffer().copy_(done.value()[0])
-
-    return future.then(back)
 
 
 # Under autocast these and norm layers keep fp32 weights (autocast only casts matmul-like ops),

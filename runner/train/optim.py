@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import math
 
 import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from runner import console
 from runner.config.schema import ADAMW
 from runner.errors import UserError, building
 from runner.precision import bf16_true
@@ -71,21 +71,11 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p][key] = value.to(p.device)
 
 
-def _not_a_missing_library(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Failed to load")
-
-
-def quiet_torchao() -> None:
-    """torchao logs "Failed to load ..._C_*.so" for each CUDA kernel library a CPU cannot load:
-    those lines are dropped, its other messages kept (fp8 and the torchao optimizers use it)."""
-    logging.getLogger("torchao").addFilter(_not_a_missing_library)
-
-
 def _torchao_optimizer(node, groups: list[dict], stochastic_rounding: bool):
     """A torchao optimizer (optim=adamw8bit), torchao imported only now. Its quantized state
     tensors are saved as their plain parts, so a checkpoint loads with weights_only=True before
     torchao is imported (a resume reads it before the optimizer is built)."""
-    quiet_torchao()
+    console.quiet_torchao()
     if importlib.util.find_spec("torchao") is None:
         raise UserError(
             f"optim.optimizer._target_={node._target_} needs torchao: scripts/setup.sh installs "

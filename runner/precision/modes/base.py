@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from runner.precision.plan import Precision
 
 # precision truth's reason where a weight is not fp32 in a mode that keeps fp32 weights
 MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
@@ -52,10 +48,11 @@ class Mode:
         return True
 
     def convert(
-        self, precision: Precision, model: nn.Module, islands: Sequence[nn.Module], norms: set
+        self, precision, model: nn.Module, islands: Sequence[nn.Module], norms: set
     ) -> None:
         """What the mode does to the model once, before training (islands are installed in
-        every mode already): nothing for an autocast mode."""
+        every mode already): nothing for an autocast mode. `precision`: the Precision in force
+        (runner/precision/plan.py), whose parts (masters, fp8) the mode fills in."""
 
     def expects(self, cfg, row: dict) -> tuple[str, str]:
         """(dtype, why): the weights precision truth expects for one of its rows."""
