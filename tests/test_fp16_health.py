@@ -8,6 +8,7 @@ import json
 import pytest
 from torch import nn
 
+from runner.config import GradScalerConfig
 from runner.measure.health import recommend
 from runner.run import run
 from tests.helpers import make_cfg, read_metrics
@@ -115,4 +116,4 @@ BASE = {
     ],
 )
 def test_the_advice_names_skipped_steps(health, history, advice):
-    assert recommend(health, BASE | history, 65536.0, 2000).startswith(advice)
+    assert recommend(health, BASE | history, GradScalerConfig()).startswith(advice)

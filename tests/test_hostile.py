@@ -72,7 +72,7 @@ def eight_features() -> TensorDataset:
         ([*MLP, "model.num_layers=-1"], "model.num_layers=-1 is invalid: must be an integer ≥ 1"),
         # keys that nothing would read, however they were added
         ([*MLP, "++trainer.max_stepz=5"], "trainer.max_stepz=5 is invalid: trainer has no key"),
-        ([*MLP, "++precision.grad_scaler.hysteresis=3"], "grad_scaler has no key 'hysteresis'"),
+        ([*MLP, "++precision.grad_scaler.patience=3"], "grad_scaler has no key 'patience'"),
         ([*MLP, "++model.widht=3"], "model.widht is not a key tasks.classification.MLPClassifier"),
         ([*MLP, "++foo=1"], "foo=1 is invalid: not a key (allowed: precision, trainer,"),
         # interpolations resolved before anything reads them

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from runner.config import GradScalerConfig
 from runner.measure.health import LOW_ALARM, recommend
 from runner.run import run
 from runner.train.trainer import Trainer
@@ -184,7 +185,7 @@ def test_fp16_health_measures_without_changing_the_run(tmp_path, monkeypatch):
     "history, advice",
     [
         ({"skipped_steps": 5, "steps": 20, "scale_min": 0.25}, "use bf16"),
-        ({"scale_backoffs": 8, "steps": 20}, "raise precision.grad_scaler.growth_interval"),
+        ({"scale_backoffs": 8, "steps": 20}, "raise precision.grad_scaler.hysteresis to 2, or"),
         (
             {"skipped_steps": 6, "leading_skipped_steps": 6, "scale_final": 1024.0},
             "lower precision.grad_scaler.init_scale",
@@ -195,7 +196,7 @@ def test_fp16_health_measures_without_changing_the_run(tmp_path, monkeypatch):
 def test_the_scale_history_decides_the_advice_when_the_gradient_is_fine(history, advice):
     base = {"skipped_steps": 0, "steps": 20, "scale_min": 65536.0, "scale_final": 65536.0}
     base |= {"scale_backoffs": 0, "leading_skipped_steps": 0} | history
-    assert recommend({}, base, 65536.0, 2000).startswith(advice)
+    assert recommend({}, base, GradScalerConfig()).startswith(advice)
 
 
 def test_the_memory_saving_uses_the_measured_peak_on_cuda_and_the_accounted_total_on_a_cpu():

@@ -30,6 +30,12 @@ class GradScalerConfig:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    # Beyond GradScaler (DeepSpeed's and Megatron's, runner/precision/scaler.py); the defaults
+    # are GradScaler's behaviour. Overflows before the scale backs off (1: every one):
+    hysteresis: int = 1
+    # A floor: an overflow at it stops the run (the scale collapsed); null: none.
+    min_scale: float | None = None
+    max_scale: float | None = None  # a cap on growth; null: none
 
 
 @dataclass

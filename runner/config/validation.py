@@ -152,6 +152,21 @@ def validate(cfg: DictConfig) -> None:
         gs.growth_interval,
         "must be ≥ 1",
     )
+    require(gs.hysteresis >= 1, "precision.grad_scaler.hysteresis", gs.hysteresis, "must be ≥ 1")
+    # The floor and the cap hold init_scale between them, so the first step is inside already.
+    floor, cap, init = gs.min_scale, gs.max_scale, gs.init_scale
+    require(
+        floor is None or (number(floor) and 0 < floor <= init),
+        "precision.grad_scaler.min_scale",
+        floor,
+        f"must be null or a finite number > 0 and ≤ init_scale ({init:g})",
+    )
+    require(
+        cap is None or (number(cap) and cap >= init),
+        "precision.grad_scaler.max_scale",
+        cap,
+        f"must be null or a finite number ≥ init_scale ({init:g})",
+    )
     lg = cfg.logger
     require(lg.backend in ("wandb", "none"), "logger.backend", lg.backend, "allowed: wandb, none")
     require(

@@ -107,14 +107,20 @@ def scale_history(rows: list[dict]) -> dict:
     }
 
 
-def recommend(health: dict, history: dict, init_scale: float, growth_interval: int) -> str:
-    """One sentence: what to change, or that the settings suit the model ("ok", only where no
-    loss-scaled step was skipped)."""
+def recommend(health: dict, history: dict, grad_scaler) -> str:
+    """One sentence: what to change in `grad_scaler` (precision.grad_scaler), or that the
+    settings suit the model ("ok", only where no loss-scaled step was skipped)."""
     skipped, steps = history["skipped_steps"], history["steps"]
+    init_scale, growth_interval = grad_scaler.init_scale, grad_scaler.growth_interval
     if skipped > COLLAPSE_SKIPPED_SHARE * steps and history["scale_min"] < 1:
+        floor = (  # a floor stops such a run where it stops learning, with a checkpoint
+            "; precision.grad_scaler.min_scale=1 stops a run whose scale falls that low"
+            if grad_scaler.min_scale is None
+            else ""
+        )
         return (
             f"use bf16: the scale keeps collapsing ({skipped} of {steps} steps skipped, down to "
-            f"{history['scale_min']:g})"
+            f"{history['scale_min']:g}){floor}"
         )
     headroom = health.get("gradient_headroom_log2")  # the largest gradient stays finite, ×2 spare
     ceiling = 2.0 ** (math.floor(headroom) - 1) if headroom is not None else math.inf
@@ -139,9 +145,15 @@ def recommend(health: dict, history: dict, init_scale: float, growth_interval: i
                 f"normal range ({health['underflow_share_scaled']:.1%} to zero)"
             )
     if history["scale_backoffs"] > steps // 4 and steps >= 8:
+        # Megatron's remedy first: an isolated overflow then skips its step but keeps the scale.
+        hysteresis = (
+            "raise precision.grad_scaler.hysteresis to 2, or "
+            if grad_scaler.hysteresis == 1
+            else "raise "
+        )
         return (
-            f"raise precision.grad_scaler.growth_interval above {growth_interval}: the scale "
-            f"backed off {history['scale_backoffs']} times in {steps} steps"
+            f"{hysteresis}precision.grad_scaler.growth_interval above {growth_interval}: the "
+            f"scale backed off {history['scale_backoffs']} times in {steps} steps"
         )
     if skipped and ceiling < init_scale:
         return (
@@ -177,5 +189,5 @@ def fp16_health(
         return None
     measured = measured or {}
     history = scale_history(scaled)
-    advice = recommend(measured, history, grad_scaler.init_scale, grad_scaler.growth_interval)
+    advice = recommend(measured, history, grad_scaler)
     return {key: measured.get(key) for key in MEASURED} | history | {"recommendation": advice}

@@ -218,6 +218,20 @@ class Forensics:
                 f"{self.report['hint']}; see {self.path}"
             )
 
+    def collapse(self, step: int) -> TrainingStopped:
+        """The stop of a run whose loss scale overflowed at its floor, naming the layers the
+        first non-finite step's report found (where fp16 overflowed first)."""
+        report = self.report or {}
+        first = [report.get(k, {}).get("first_nonfinite") for k in ("forward", "backward")]
+        layers = [n for n in first if n] or report.get("gradients", {}).get("nonfinite", [])[:3]
+        where = f": {', '.join(dict.fromkeys(layers))}" if layers else ""
+        floor = self.precision.cfg.grad_scaler.min_scale
+        return TrainingStopped(
+            f"training stopped at step {step}: the loss scale collapsed to its floor "
+            f"(precision.grad_scaler.min_scale={floor:g}): use bf16 or keep these layers fp32 "
+            f"({self.path.name}{where}); checkpoint saved at step {step}"
+        )
+
     def _write(self, pending, row: dict, rows: list[dict], replayed: dict) -> None:
         step, first_sample = row["step"], pending.first_sample
         samples = batch_samples(pending.window) * self.dist.world
