@@ -58,12 +58,12 @@ from omegaconf import DictConfig, OmegaConf
 import runner
 from runner.compare.interleave import (
     alternate,
-    median_ratio,
     prepared,
     time_configs,
     trainer_timer,
     workspace,
 )
+from runner.compare.stats import median_ratio
 from runner.config.validation import validate
 from runner.precision import DeviceCaps, Precision, master, plan, reduce
 from runner.precision.caps import resolve_device

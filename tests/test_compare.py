@@ -417,7 +417,7 @@ def test_a_small_systematic_shift_over_ten_seeds_is_worse_and_the_interval_is_we
     "df, quantile", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (1000, 1.9623)]
 )
 def test_the_t_quantile_matches_the_tables(df, quantile):
-    from runner.compare.verdicts import t_quantile
+    from runner.compare.stats import t_quantile
 
     assert t_quantile(0.975, df) == pytest.approx(quantile, abs=2e-4)
 

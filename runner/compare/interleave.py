@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
-from runner.compare.verdicts import median_ratio
+from runner.compare.stats import median_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
 from runner.precision import Precision

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare.verdicts import median, scales_loss
+from runner.compare.stats import median
+from runner.compare.verdicts import scales_loss
 
 if TYPE_CHECKING:
     from runner.compare.verdicts import Group

@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from runner.compare.stats import finite, mean_std, median, median_ratio, welch
 
 if TYPE_CHECKING:
     from runner.compare.jobs import Job
 
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
-CONFIDENCE = 0.95  # of the interval for the difference of mean losses over seeds
 UNSTABLE = ("failed", "diverged", "overflow")  # job health that counts toward divergence_rate
 PAIRED = ("speedup", "memory_saving", "max_loss_gap", "final_loss_gap", "health")
 SPEED = ("samples_per_s", "samples_per_s_iqr", "samples_per_s_rounds", "step_time_s")
@@ -105,64 +105,6 @@ def scales_loss(precision: str) -> bool:
     return precision in MODES and MODES[precision].scales_loss
 
 
-def _finite(values) -> list:
-    return [v for v in values if v is not None and math.isfinite(v)]
-
-
-def median(values) -> float:
-    """A typical seed's figure (a count stays one of the counts); NaN where none is known."""
-    values = _finite(values)
-    if not values:
-        return math.nan
-    if all(isinstance(v, int) for v in values):
-        return statistics.median_low(values)
-    return statistics.median(values)
-
-
-def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """The median of the per-round ratios a/b."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
-def _mean_std(values) -> tuple[float, float]:
-    values = _finite(values)
-    mean = statistics.fmean(values) if values else math.nan
-    return mean, statistics.stdev(values) if len(values) > 1 else math.nan
-
-
-def t_quantile(p: float, df: float) -> float:
-    """Student's t distribution's quantile at `p` (> 0.5) for `df` degrees of freedom (any real
-    df ≥ 1): bisection on its CDF, the density integrated by Simpson's rule."""
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-
-    def cdf(x: float, n: int = 512) -> float:
-        h = x / n
-        weights = (1 if i in (0, n) else 4 if i % 2 else 2 for i in range(n + 1))
-        total = sum(w * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i, w in enumerate(weights))
-        return 0.5 + c * total * h / 3
-
-    low, high = 0.0, 64.0  # t(0.975, df=1) is 12.7
-    for _ in range(50):
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2
-
-
-def welch(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """The difference of the means and its CONFIDENCE interval (Welch's t: unequal variances),
-    all relative to |theirs' mean|: (gap, low, high). Seeds that agree exactly give a point."""
-    m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
-    v1, v2 = statistics.variance(ours) / len(ours), statistics.variance(theirs) / len(theirs)
-    se = math.sqrt(v1 + v2)
-    if se == 0:
-        half = 0.0
-    else:
-        df = (v1 + v2) ** 2 / (v1**2 / (len(ours) - 1) + v2**2 / (len(theirs) - 1))
-        half = t_quantile(0.5 + CONFIDENCE / 2, df) * se
-    scale = abs(m2) or 1.0
-    return (m1 - m2) / scale, (m1 - m2 - half) / scale, (m1 - m2 + half) / scale
-
-
 def memory_figure(summary: dict) -> tuple[float, str]:
     """(MB, what it is) for the memory saving: CUDA's measured peak; on a CPU the accounted total
     of summary.json's `memory` (a CPU process's peak is not one job's: a sweep's later jobs
@@ -181,7 +123,7 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
     jobs = g.counted
     f = {k: median(j.figures[k] for j in jobs) for k in jobs[0].figures if k not in PAIRED}
     for key in ("final_loss", "eval_loss"):
-        f[key], f[f"{key}_std"] = _mean_std(j.figures[key] for j in jobs)
+        f[key], f[f"{key}_std"] = mean_std(j.figures[key] for j in jobs)
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     f["memory_source"] = memory_figure(jobs[0].summary)[1]
     # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's.
@@ -198,7 +140,7 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
         "divergence_rate": len(g.unstable) / len(g.jobs),
         # Against the baseline's job of the same seed: the worst seed's curve gap, a typical
         # final gap.
-        "max_loss_gap": max(_finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
+        "max_loss_gap": max(finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
         "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
     }
 
@@ -234,7 +176,7 @@ def _gap(g: Group, base: Group) -> dict:
     metric = (
         "eval_loss" if all(math.isfinite(j.figures["eval_loss"]) for j in both) else "final_loss"
     )
-    ours, theirs = (_finite(j.figures[metric] for j in x.counted) for x in (g, base))
+    ours, theirs = (finite(j.figures[metric] for j in x.counted) for x in (g, base))
     out = {"gap_metric": metric, "gap_in_spreads": math.nan}
     out |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
     if min(len(ours), len(theirs)) >= 2:

@@ -15,9 +15,9 @@ from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
-from runner.precision.reduce import average_over_ranks
 from runner.precision.modes import Mode, mode_of
 from runner.precision.norms import norm_layers
+from runner.precision.reduce import average_over_ranks
 from runner.precision.scaler import LossScaler
 from runner.precision.step import StepResult, optimizer_step
 
