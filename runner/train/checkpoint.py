@@ -4,19 +4,18 @@ the checkpoint to resume from."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
 from runner.train import distributed, sharded
+from runner.train.convert import convert_precision
 from runner.train.distributed import Dist
+from runner.train.rng import restore_rng, rng_states
 
 STEP_FILE = re.compile(r"step-(\d+)\.pt")
 # A sharded checkpoint (FSDP) is a folder, a set: step-N when a step checkpoint, else last-N.
@@ -135,38 +134,6 @@ def _first_loading(paths: list[Path]) -> tuple[Path, dict] | None:
     return None
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            n["keys"].numpy().astype(np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Checkpointer:
     """Writes a run's checkpoints into `out_dir/checkpoints`: `last.pt`, and `step-N.pt` when asked (the
     newest `keep_last_k` kept); rank 0 alone writes. Under FSDP each checkpoint is a sharded set
@@ -252,59 +219,6 @@ def first_nonfinite(tensors) -> str | None:
     )
 
 
-def convert_precision(state: dict, task: torch.nn.Module, precision, allowed: bool) -> dict | None:
-    """After the modules are loaded: a checkpoint written under another precision mode is
-    refused, or with `allowed` (trainer.resume_across_precision) converted for this run's mode;
-    returns what changed ({from, to, changes}, also said on the console), None for the same mode.
-    fp16_master's fp32 masters go into the weights, not their fp16 copies; this run's masters are
-    made from the checkpoint's weights; its GradScaler is dropped where this mode scales no loss."""
-    saved, mode = state.get("precision"), precision.name
-    if saved is None or saved == mode:
-        return None
-    if not allowed:
-        raise UserError(
-            f"the checkpoint was written under precision={saved}, this run is precision={mode}: "
-            f"resume with precision={saved}, or set trainer.resume_across_precision=true to "
-            "convert it"
-        )
-    # A sharded set (FSDP) loads through DCP, in this run's dtypes: it has no "model" to read.
-    model, params, changes = state.get("model", {}), dict(task.named_parameters()), []
-    masters, owners = state.get("master_weights") or [], []
-    if masters and not precision.master:
-        # fp16_master keeps a master for each trainable weight it cast to fp16, in model order
-        owners = [n for n, p in params.items() if p.requires_grad and model[n].dtype == torch.half]
-        if [model[n].shape for n in owners] != [m.shape for m in masters]:
-            raise UserError(
-                f"the precision={saved} checkpoint's fp32 master weights do not fit this model"
-            )
-        with torch.no_grad():
-            for name, master in zip(owners, masters, strict=True):
-                params[name].copy_(master)
-        changes.append(f"its fp32 master weights ({len(masters)}) loaded, not their fp16 copies")
-    elif precision.master and not masters:
-        names = {p: n for n, p in params.items()}
-        state["master_weights"] = [model[names[p]].float() for p in precision.master.masters]
-        changes.append("fp32 master weights made from its weights")
-    current = task.state_dict()
-    casts = Counter(
-        (_dtype(value), _dtype(current[key]))
-        for key, value in model.items()
-        if key not in owners and value.is_floating_point() and value.dtype != current[key].dtype
-    )
-    changes += [f"{n} tensors from {a} to {b}" for (a, b), n in casts.items()]
-    scaler, keeps_scaler = state.get("scaler"), precision.state_dict()["scaler"] is not None
-    if scaler and not keeps_scaler:
-        changes.append(f"its GradScaler (scale {scaler['scale']:g}) dropped: {mode} scales no loss")
-    elif keeps_scaler and not scaler:
-        changes.append("the GradScaler starts at precision.grad_scaler.init_scale")
-    console.say(f"resuming a precision={saved} checkpoint as {mode}: {'; '.join(changes)}")
-    return {"from": saved, "to": mode, "changes": changes}
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _by_group(objects: dict) -> dict:
     """One optimizer (or schedule): its state dict. Several (a GAN): a dict of them by group."""
     states = {name: obj.state_dict() for name, obj in objects.items()}
@@ -362,20 +276,3 @@ def _load_whole(state: dict, task: torch.nn.Module, optimizers: dict) -> None:
         raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
     for name, saved in _saved(state, "optimizer", optimizers).items():
         optimizers[name].load_state_dict(saved)
-
-
-def rng_states(dist: Dist) -> dict:
-    """This process's RNG states, and with several ranks every rank's (dropout differs by rank),
-    gathered for rank 0 to save. Every rank must call it."""
-    states = distributed.gather(rng_state(), dist)
-    return {"rng": states[dist.rank], **({"rng_by_rank": states} if dist.enabled else {})}
-
-
-def restore_rng(state: dict, dist: Dist) -> None:
-    by_rank = state.get("rng_by_rank") or []
-    if dist.enabled and len(by_rank) != dist.world:
-        console.say(
-            f"[yellow]warning:[/] the checkpoint was written by {len(by_rank) or 1} rank(s), "
-            f"this run has {dist.world}: dropout's random stream will differ"
-        )
-    set_rng_state(by_rank[dist.rank] if len(by_rank) == dist.world else state["rng"])
