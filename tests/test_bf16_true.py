@@ -206,7 +206,7 @@ def test_adamw8bit_quarters_the_moments_and_resumes_from_a_plain_checkpoint(tmp_
     ("overrides", "message"),
     [
         (["precision=bf16_true", "trainer.strategy=fsdp"], "with trainer.strategy=fsdp use"),
-        (["precision=bf16", "precision.update=kahan"], "applies to precision=bf16_true only"),
+        (["precision=bf16", "precision.update=kahan"], "applies to a mode that holds bf16 weights"),
         (["precision=bf16_true", "precision.update=nearest"], "plain, stochastic_rounding, kahan"),
         (["optim=adamw8bit", "optim.state_dtype=bf16"], "applies to optim=adamw, not torchao"),
         (["optim.state_dtype=fp16"], "fp32, bf16 or null"),

@@ -113,8 +113,9 @@ def validate(cfg: DictConfig) -> None:
         _validate_stages(p.stages)
     update = p["update"]
     require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
-    why = "applies to precision=bf16_true only"
-    require(update == "plain" or p.mode == "bf16_true", "precision.update", update, why)
+    why = "applies to a mode that holds bf16 weights (precision=bf16_true) only"
+    bf16_weights = p.mode in MODES and MODES[p.mode].weights == "bf16"
+    require(update == "plain" or bf16_weights, "precision.update", update, why)
     require(
         p.cpu_kernels in CPU_KERNELS,
         "precision.cpu_kernels",

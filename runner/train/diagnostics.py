@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from runner import console
 from runner.errors import TrainingStopped
-from runner.precision import Precision
+from runner.precision import Precision, mode_of
 from runner.task import Batch, Task, buffers_kept
 from runner.tracking import dumps
 from runner.train import distributed
@@ -138,19 +138,20 @@ def hint(mode: str, report: dict) -> str:
     first = report["forward"]["first_nonfinite"]
     largest = report["forward"]["largest"]
     grad_first = report["backward"]["first_nonfinite"]
-    if mode == "fp16_master":
+    held = mode_of(mode)  # asked what it holds and whether it scales, not matched by name
+    if held.scales_loss and held.weights == "fp16":
         where = first or grad_first
         return (
             f"fp16 weights and activations overflowed{f' at {where}' if where else ''} "
             f"(|x| > {FP16_MAX:g}): keep it in fp32 (precision.fp32_modules), or use "
             "precision=fp16 (fp32 weights, fp16 compute) or precision=bf16 (fp32's range)"
         )
-    if mode == "fp16" and first:
+    if held.scales_loss and first:
         return (
             f"fp16 overflowed in the forward pass at {first} (|x| > {FP16_MAX:g}): try precision=bf16 "
             f"(fp32's range), keep {first} in fp32, or lower the learning rate if the weights grew"
         )
-    if mode == "fp16":
+    if held.scales_loss:
         return (
             f"gradients overflowed fp16 at this loss scale"
             f"{f' (first at {grad_first}, in backward order)' if grad_first else ''}; the scaler backs off by itself, and if it "
