@@ -16,10 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from runner import console
 from runner.config.validation import validate
 from runner.errors import Preempted, UserError, building, first_line
-from runner.measure import truth
+from runner.measure import max_batch, truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp16_health
-from runner.measure.memory import account
+from runner.measure.memory import trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
 from runner.task import DataModule, Task
@@ -135,6 +135,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             from runner.precision import island_search
 
             summary["fp32_islands"] = island_search.before_training(cfg, out, state, ranks.enabled)
+        if cfg.runner.max_batch:  # throwaway runs (with the islands found); training as configured
+            summary |= max_batch.search(cfg, device, ranks.world)
         seed_everything(cfg.seed)
         with distributed.main_first(ranks):
             data, task = build(cfg)
@@ -171,13 +173,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         summary |= trainer.fit()
         summary["cpu_kernels"] = precision.cpu_kernels
         summary |= precision.memory(task)
-        summary["memory"] = account(
-            task,
-            optimizers.values(),
-            precision.master.masters.values(),
-            trainer.meter.activations.by_dtype,
-            device,
-        )
+        summary["memory"] = trainer_memory(trainer)
         health = fp16_health(
             trainer.meter.health,
             trainer.meter.rows,

@@ -27,6 +27,7 @@ from runner import console
 from runner.compare.stats import median_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
+from runner.measure.memory import trainer_memory
 from runner.precision import Precision
 from runner.precision.caps import resolve_device
 from runner.run import build, seed_everything
@@ -82,8 +83,9 @@ def trainer_timer(
 ) -> Timer:
     """Times `task` through `Trainer.fit`, wired as `runner.run.run` wires it: each call fits
     `warmup` more steps, then `steps` timed ones in one logging interval, and returns the
-    trainer's summary (samples/s, step time; the peak memory of this call on CUDA). No evaluation,
-    no checkpoints; the call's warnings (an input-bound window) are not printed."""
+    trainer's summary (samples/s, step time; the peak memory of this call on CUDA) and `memory`
+    as summary.json has it. No evaluation, no checkpoints; the call's warnings (an input-bound
+    window) are not printed."""
     groups = precision.optimizer_groups(task.parameter_groups())
     optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
     timing = OmegaConf.merge(
@@ -108,7 +110,7 @@ def trainer_timer(
         timing.max_steps = trainer.step + warmup + steps
         quiet, console.console.quiet = console.console.quiet, True
         try:
-            return trainer.fit()
+            return trainer.fit() | {"memory": trainer_memory(trainer)}
         finally:
             console.console.quiet = quiet
 

@@ -1,6 +1,7 @@
 """The comparison's outputs: the table and its notes (compare.md, compare.csv, compare.json, and
 printed), the dashboard (compare.png: loss curves, the loss gap to fp32, speed with its spread,
-memory by category), and the `compare` run in the sweep's W&B group. One row per group of seeds
+memory by category; where measured, the largest batch and sequence each row fits: capacity.py),
+and the `compare` run in the sweep's W&B group. One row per group of seeds
 (runner/compare/verdicts.py): one per job where the sweep has one seed."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
+from runner.compare import capacity
 from runner.compare.stats import median
 from runner.compare.verdicts import scales_loss
 
@@ -69,8 +71,10 @@ def _notes(groups: list[Group]) -> list[str]:
 
 
 def table(groups: list[Group]) -> list[list[str]]:
-    return [[name for name, _, _ in COLUMNS]] + [
-        [_cell(g, k, f) for _, k, f in COLUMNS] for g in groups
+    # The max-batch columns where the sweep measured it (runner.max_batch=true), before the verdict.
+    columns = COLUMNS[:-1] + (capacity.COLUMNS if capacity.measured(groups) else []) + COLUMNS[-1:]
+    return [[name for name, _, _ in columns]] + [
+        [_cell(g, k, f) for _, k, f in columns] for g in groups
     ]
 
 
@@ -215,11 +219,15 @@ def plot(groups: list[Group], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    sized = capacity.measured(groups)  # a third column: the largest batch and sequence
+    fig, axes = plt.subplots(2, 3 if sized else 2, figsize=(21 if sized else 14, 9))
     _losses(axes[0][0], groups)
     _gaps(axes[0][1], groups)
     _speed(axes[1][0], groups)
     _memory(axes[1][1], groups)
+    if sized:
+        capacity.panel(axes[0][2], groups, "max_batch")
+        capacity.panel(axes[1][2], groups, "max_seq_len")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.compare import report
+from runner.compare import capacity, report
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.report import as_float
 from runner.compare.verdicts import Group, judge, memory_figure, scales_loss
@@ -85,6 +85,7 @@ def _job_figures(job: Job, base: Job | None) -> None:
         "final_loss_scale": as_float(s.get("final_loss_scale")),
         "mfu": as_float(s.get("mfu")),
         "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
+        **capacity.job_figures(s),
     }
     f |= dict.fromkeys(("speedup", "memory_saving", "max_loss_gap", "final_loss_gap"), math.nan)
     if base is not None and base is not job:

@@ -37,6 +37,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from runner.compare import capacity
 from runner.compare.stats import finite, mean_std, median, median_ratio, welch
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def _own_figures(g: Group, timing: dict | None) -> dict:
         f[key], f[f"{key}_std"] = mean_std(j.figures[key] for j in jobs)
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     f["memory_source"] = memory_figure(jobs[0].summary)[1]
+    f |= capacity.own(g, f["max_batch"])  # how its max batch was found
     # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's.
     f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
     if timing is not None:
@@ -330,9 +332,11 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
                 else f["samples_per_s"] / b["samples_per_s"]
             )
             f["memory_saving"] = 1 - f["memory_mb"] / b["memory_mb"]
+            f["max_batch_vs_fp32"] = capacity.against(g, base)
             f |= _gap(g, base)
         else:  # the same keys in every row
             f |= dict.fromkeys(("speedup", "memory_saving", "gap_in_spreads"), math.nan)
+            f["max_batch_vs_fp32"] = math.nan
             f |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
             f["gap_metric"] = None
         g.verdict = _problem(g, tolerance)

@@ -22,6 +22,27 @@ ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 upd
 ADAMW8BIT = "torchao.optim.AdamW8bit"  # optim=adamw8bit
 OWN_ADAMW_KEYS = {"_target_", "_partial_", "lr", "betas", "eps", "weight_decay", "fused", "foreach"}
 SCHEDULE_DECAYS = ("cosine", "linear", "constant")
+# runner.memory_budget_gb by a GPU's name: its memory in GB as its maker states it (≈ GiB: an
+# H100's 80 GB shows as 79.6 GiB), so that a CPU can plan for it (runner/measure/max_batch.py).
+GPU_MEMORY_GB = {
+    "T4": 16,
+    "V100-16": 16,
+    "V100-32": 32,
+    "A10": 24,
+    "L4": 24,
+    "RTX-3090": 24,
+    "RTX-4090": 24,
+    "A100-40": 40,
+    "L40S": 48,
+    "A100-80": 80,
+    "H100": 80,
+    "H100-NVL": 94,
+    "H200": 141,
+    "B200": 180,
+}
+# Left out of a device's memory for the budget: the CUDA context, library workspaces outside
+# PyTorch's allocator, and fragmentation (reserved over allocated).
+MEMORY_MARGIN = 0.10
 
 
 @dataclass
@@ -139,6 +160,13 @@ class RunnerConfig:
     # this many modules kept fp32, and each trial run the first islands_steps optimizer steps.
     islands_max: int = 4
     islands_steps: int = 50
+    # Before training, the largest per-device micro-batch (and, for token data, the longest
+    # sequence) that fits memory_budget_gb, measured (runner/measure/max_batch.py); training then
+    # runs as configured.
+    max_batch: bool = False
+    # GB (2**30 bytes), or a GPU's name in GPU_MEMORY_GB (its memory less MEMORY_MARGIN); null:
+    # the CUDA device's memory less MEMORY_MARGIN. On a CPU it must be given.
+    memory_budget_gb: Any = None
 
 
 @dataclass

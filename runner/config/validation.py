@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.config.optim import validate_optim
 from runner.config.rules import integer, number, require
-from runner.config.schema import BF16_UPDATES, CPU_KERNELS, Config, StageConfig
+from runner.config.schema import BF16_UPDATES, CPU_KERNELS, GPU_MEMORY_GB, Config, StageConfig
 from runner.config.tasks import validate_task
 from runner.precision.modes import MODES, choices
 
@@ -215,5 +215,20 @@ def validate(cfg: DictConfig) -> None:
     ):
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
+    budget = r.memory_budget_gb
+    require(
+        budget is None
+        or (number(budget) and budget > 0)
+        or (isinstance(budget, str) and budget.upper() in GPU_MEMORY_GB),
+        "runner.memory_budget_gb",
+        budget,
+        "GB (a number > 0), a GPU's name (" + ", ".join(GPU_MEMORY_GB) + "), or null",
+    )
+    require(
+        not (r.max_batch and p.mode == "staged"),
+        "runner.max_batch",
+        r.max_batch,
+        "precision=staged changes its memory by stage: search each stage's mode on its own",
+    )
     validate_optim(cfg.optim, update)
     validate_task(cfg)

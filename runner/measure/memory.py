@@ -7,8 +7,12 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from runner.train.trainer import Trainer
 
 MB = 2**20
 
@@ -132,3 +136,15 @@ def account(
     else:
         memory["peak"] = None  # a CPU process's peak is not one job's: the accounted total is
     return memory
+
+
+def trainer_memory(trainer: Trainer) -> dict:
+    """`account` of what a trainer holds once it has fitted: its task, its optimizers' state, its
+    precision's fp32 masters, and the activations its audited step saved."""
+    return account(
+        trainer.task,
+        trainer.optimizers.values(),
+        trainer.precision.master.masters.values(),
+        trainer.meter.activations.by_dtype,
+        trainer.device,
+    )
