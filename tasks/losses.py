@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import get_object
 
+from runner import console
 from runner.errors import UserError, building
 from runner.task import Batch
 
@@ -166,13 +167,20 @@ class MeanSquared(Loss):
         return F.mse_loss(prediction.reshape(target.shape).float(), target, reduction="sum")
 
 
+def _is_scalar(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()
+
+
 class NetOutput(Loss):
-    """The net returns its loss (a tensor, or an object or dict with `loss`), a mean over its
-    micro-batch: a window is averaged per micro-batch, exact only when they hold equal numbers
-    of targets."""
+    """The net returns its loss (a tensor, an object or dict with `loss`, or a tuple holding it as
+    its one scalar tensor), a mean over its micro-batch: a window is averaged per micro-batch,
+    exact only when they hold equal numbers of targets."""
 
     name = "output"
     target_to_net = True
+
+    def __init__(self):
+        self._told = False  # an unusual place in a tuple is said once, at the build's probe
 
     def check(self, target: torch.Tensor | None) -> None:
         """Any target, or none: the net knows what it needs."""
@@ -184,14 +192,37 @@ class NetOutput(Loss):
         loss = prediction
         if isinstance(prediction, Mapping):
             loss = prediction.get("loss")
+        elif isinstance(prediction, (tuple, list)):
+            loss = self._from_tuple(prediction)
         elif not isinstance(prediction, torch.Tensor):
             loss = getattr(prediction, "loss", None)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        if not _is_scalar(loss):
             raise UserError(
                 "model.loss=output: the net must return its loss, a scalar tensor (or an object "
-                f"or dict with a scalar `loss`), but it returned {type(prediction).__name__}"
+                "or dict with a scalar `loss`, or a tuple holding it), but it returned "
+                f"{type(prediction).__name__}"
             )
         return loss
+
+    def _from_tuple(self, output: tuple | list) -> torch.Tensor:
+        """The tuple's one scalar tensor. Single-file GPTs return `(logits, loss)`, Hugging Face
+        models without return_dict `(loss, logits, ...)`: first or last goes without a word,
+        anywhere else the run says which element it took."""
+        kind, at = type(output).__name__, [i for i, v in enumerate(output) if _is_scalar(v)]
+        if len(at) != 1:
+            found = f"{len(at)} (elements {', '.join(map(str, at))})" if at else "none"
+            raise UserError(
+                f"model.loss=output: the net returned a {kind} of {len(output)}, which must hold "
+                f"its loss as its one scalar tensor, but holds {found}: return the loss alone, or "
+                "use model.loss=cross_entropy on the logits"
+            )
+        if at[0] not in (0, len(output) - 1) and not self._told:
+            console.say(
+                f"[yellow]note:[/] model.loss=output: the net returned a {kind} of "
+                f"{len(output)}; its loss is element {at[0]}, its one scalar tensor"
+            )
+            self._told = True
+        return output[at[0]]
 
 
 class UserLoss(Loss):

@@ -203,9 +203,13 @@ class ModuleTask(Task):
         return self.loss.count(batch_target(batch)[1])
 
     def num_tokens(self, batch: Batch) -> int:
-        """Tokens for text (the throughput unit of language models), else samples."""
+        """Tokens for a language model (its throughput unit): `input_ids`, or class targets with a
+        sequence dimension ([N, T], a single-file GPT's shifted ids); else samples."""
         if "input_ids" in batch:
             return batch["input_ids"].numel()
+        target = batch_target(batch)[1]
+        if target is not None and target.ndim == 2 and not target.is_floating_point():
+            return target.numel()
         return len(next(iter(batch.values())))
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -56,6 +56,79 @@ class LossNet(Net):
         return nn.functional.cross_entropy(super().forward(x), target)
 
 
+class MiddleLossNet(Net):
+    """`model.loss=output` with the loss inside a tuple, neither first nor last."""
+
+    def forward(self, x, target):
+        logits = super().forward(x)
+        return logits, nn.functional.cross_entropy(logits, target), logits.detach()
+
+
+class NoLossNet(Net):
+    """A tuple without a scalar tensor."""
+
+    def forward(self, x, target):
+        logits = super().forward(x)
+        return logits, logits.detach()
+
+
+class TwoLossNet(Net):
+    """A tuple with two scalar tensors: which is the loss is anyone's guess."""
+
+    def forward(self, x, target):
+        logits = super().forward(x)
+        loss = nn.functional.cross_entropy(logits, target)
+        return logits, loss, loss.detach() * 0.1
+
+
+CONTEXT, VOCAB = 8, 32  # the tiny GPT's sequence length and vocabulary
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention (one head) and an MLP."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """A single-file GPT as they ship: `forward(idx, targets=None)` returns `(logits, loss)`, the
+    loss the mean cross-entropy over every position, None without targets."""
+
+    def __init__(self, width: int = 16, layers: int = 2):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, width), nn.Embedding(CONTEXT, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB)
+
+    def forward(self, idx, targets=None):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits, None
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def token_pairs(n: int = 256, seed: int = 0) -> Dataset:
+    """(ids, the ids shifted by one) of CONTEXT tokens that count up modulo VOCAB, as a GPT's
+    data loader yields them."""
+    start = torch.randint(VOCAB, (n, 1), generator=torch.Generator().manual_seed(seed))
+    ids = (start + torch.arange(CONTEXT + 1)) % VOCAB
+    return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
 def pairs(n: int = 256, seed: int = 0, regression: bool = False) -> Dataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
@@ -266,3 +339,42 @@ def test_the_example_package_sweeps_from_outside_the_repository(tmp_path):
     rows = json.loads((sweep / "compare.json").read_text())
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "fp16"]
     assert all(r["status"] == "completed" for r in rows), rows
+
+
+# -- models as they ship: a single-file GPT's (logits, loss), counted in tokens -----------------
+
+
+def test_a_single_file_gpt_trains_on_the_loss_in_its_tuple_and_counts_tokens(tmp_path):
+    """The GPT's own loss, the scalar in its `(logits, loss)`, is the loss the runner computes
+    from its logits (the same first step from the same weights); its speed is in tokens, the
+    sequence length times its samples."""
+    gpt = [f"model.net._target_={HERE}.TinyGPT", f"dataset.train._target_={HERE}.token_pairs"]
+    steps = ["trainer.max_steps=3", "trainer.log_every_n_steps=1", "trainer.val_check_interval=0"]
+    own = run(module_cfg(*gpt, *steps, "model.loss=output"), tmp_path / "own")
+    computed = run(module_cfg(*gpt, *steps, "model.loss=cross_entropy"), tmp_path / "ce")
+    assert own["status"] == computed["status"] == "completed"
+    first = [read_metrics(tmp_path / d)[0]["loss"] for d in ("own", "ce")]
+    assert first[0] == pytest.approx(first[1], rel=1e-5)
+    for row in read_metrics(tmp_path / "own"):
+        assert row["tokens_per_s"] == pytest.approx(CONTEXT * row["samples_per_s"])
+
+
+def test_a_loss_neither_first_nor_last_in_the_tuple_is_named_once(tmp_path, capsys):
+    steps = ["trainer.max_steps=2", "trainer.val_check_interval=0"]
+    run(module_cfg("model.loss=output", *steps, net="MiddleLossNet"), tmp_path / "middle")
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert said.count("its loss is element 1, its one scalar tensor") == 1
+    run(module_cfg("model.loss=output", *steps, net="LossNet"), tmp_path / "alone")
+    middle, alone = (read_metrics(tmp_path / d)[0]["loss"] for d in ("middle", "alone"))
+    assert middle == pytest.approx(alone, rel=1e-6)  # the element it took is the loss
+
+
+@pytest.mark.parametrize(
+    "net, message",
+    [("NoLossNet", "holds none"), ("TwoLossNet", "holds 2 (elements 1, 2)")],
+)
+def test_a_tuple_without_one_scalar_is_one_clear_line(tmp_path, net, message):
+    with pytest.raises(UserError) as error:
+        run(module_cfg("model.loss=output", "trainer.max_steps=1", net=net), tmp_path)
+    text = str(error.value)
+    assert "\n" not in text and "the net returned a tuple of" in text and message in text, text
