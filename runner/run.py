@@ -25,6 +25,7 @@ from runner.precision.caps import resolve_device
 from runner.task import DataModule, Task
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
+from runner.train.inference import evaluate_precisions
 from runner.train.optim import build_optimizers
 from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
@@ -195,6 +196,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
                 "fp8_flops_per_step": fp8_flops,
                 "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
             }
+        if ranks.main:  # the final weights in each precision of runner.eval_precisions
+            summary |= evaluate_precisions(trainer.evaluation, cfg.runner.eval_precisions)
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

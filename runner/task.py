@@ -15,6 +15,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from runner.errors import UserError
 
 Batch = dict[str, torch.Tensor]
+# What a task's prediction is, for comparing evaluations in several precisions (`Task.predicted`):
+DISTRIBUTION = "distribution"  # logits, classes last: compared by KL divergence
+VALUES = "values"  # regression or segmentation outputs: compared by relative error
 
 
 class Task(nn.Module, ABC):
@@ -50,6 +53,25 @@ class Task(nn.Module, ABC):
     def eval_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
         """The metrics from the summed `eval_sums` and the number of targets: means by default."""
         return {key: value / max(count, 1) for key, value in totals.items()}
+
+    _predictions: list[tuple[str, torch.Tensor]] | None = None  # while an evaluation captures
+
+    def predicted(self, prediction: torch.Tensor, kind: str = DISTRIBUTION) -> torch.Tensor:
+        """`eval_sums` passes the prediction its metrics come from through here (logits with the
+        classes last, or VALUES), so that evaluations in several precisions can compare outputs
+        (runner.eval_precisions). It comes back in fp32, as autocast computes losses."""
+        if self._predictions is not None:
+            self._predictions.append((kind, prediction))
+        return prediction.float()
+
+    @contextlib.contextmanager
+    def predictions_captured(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The (kind, prediction) pairs `predicted` sees inside the block."""
+        self._predictions = found = []
+        try:
+            yield found
+        finally:
+            del self._predictions
 
     def describe(self) -> dict:
         """What the summary should say about the model beyond its size (e.g. where it came from)."""

@@ -89,7 +89,7 @@ class MLPClassifier(Task):
         return F.cross_entropy(self.net(batch["features"]), batch["label"], reduction="sum")
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = self.net(batch["features"])
+        logits = self.predicted(self.net(batch["features"]))
         return {
             "loss": F.cross_entropy(logits, batch["label"], reduction="sum"),
             "accuracy": (logits.argmax(-1) == batch["label"]).sum(),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import UserError
-from runner.task import Batch, DataModule, Task, require_kind
+from runner.task import VALUES, Batch, DataModule, Task, require_kind
 
 
 @contextlib.contextmanager
@@ -70,7 +70,7 @@ class GAN(Task):
 
     def _losses(
         self, real: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         z = torch.randn(len(real), self.latent_dim, 1, 1, device=real.device)
         fake = self.generator(z)
         d_real, d_fake = self.discriminator(real), self.discriminator(fake.detach())
@@ -83,14 +83,15 @@ class GAN(Task):
         with frozen(self.discriminator):
             d_gen = self.discriminator(fake)
         g_loss = F.binary_cross_entropy_with_logits(d_gen, torch.ones_like(d_gen), reduction="sum")
-        return d_loss, g_loss, d_real, d_fake
+        return d_loss, g_loss, d_real, d_fake, fake
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        d_loss, g_loss, _, _ = self._losses(batch["image"])
+        d_loss, g_loss, *_ = self._losses(batch["image"])
         return {"discriminator": d_loss, "generator": g_loss}
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
-        d_loss, g_loss, d_real, d_fake = self._losses(batch["image"])
+        d_loss, g_loss, d_real, d_fake, fake = self._losses(batch["image"])
+        self.predicted(fake, VALUES)  # the generator's images (from the same noise: fixed_noise)
         return {
             "loss": d_loss + g_loss,
             "loss_discriminator": d_loss,

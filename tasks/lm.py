@@ -49,11 +49,21 @@ class GPT(Task):
     def shard_units(self) -> list[torch.nn.Module]:
         return list(self.model.transformer.h)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        logits = self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        """Position t's prediction of token t+1."""
+        return self.model(input_ids=batch["input_ids"]).logits[:, :-1]
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(
             logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum"
         )
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self._loss(self._logits(batch), batch)
+
+    def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"loss": self._loss(self.predicted(self._logits(batch)), batch)}
 
     def num_targets(self, batch: Batch) -> int:
         ids = batch["input_ids"]

@@ -69,6 +69,7 @@ class BertMLM(Task):
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
         logits, labels = self._logits_and_labels(batch)
+        logits = self.predicted(logits)
         return {
             "loss": F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"),
             "accuracy": (logits.argmax(-1) == labels).sum(),

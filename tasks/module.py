@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from runner import console
 from runner.errors import UserError, building, first_line
 from runner.precision import layers
-from runner.task import Batch, DataModule, Task
+from runner.task import VALUES, Batch, DataModule, Task
 from tasks.losses import (
     CrossEntropy,
     Loss,
@@ -214,9 +214,13 @@ class ModuleTask(Task):
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
         output, target = self._run(batch)
+        prediction = self._prediction(output)
         if isinstance(self.loss, CrossEntropy):
-            return self.loss.eval_sums(prediction_of(output), target)
-        return {"loss": self.loss.total(self._prediction(output), target)}
+            self.predicted(self.loss.align(prediction, target)[0])  # classes last
+            return self.loss.eval_sums(prediction.float(), target)
+        if isinstance(prediction, torch.Tensor) and not isinstance(self.loss, NetOutput):
+            prediction = self.predicted(prediction, VALUES)
+        return {"loss": self.loss.total(prediction, target)}
 
     def eval_metrics(self, totals: dict[str, float], count: int) -> dict[str, float]:
         metrics = {

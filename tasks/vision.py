@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import UserError, first_line
-from runner.task import Batch, DataModule, Task, require_kind
+from runner.task import VALUES, Batch, DataModule, Task, require_kind
 
 
 class _Arrays(DataModule):
@@ -243,7 +243,7 @@ class ResNet(Task):
         return F.cross_entropy(self.logits(batch), batch["label"], reduction="sum")
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = self.logits(batch)
+        logits = self.predicted(self.logits(batch))
         return {
             "loss": F.cross_entropy(logits, batch["label"], reduction="sum"),
             "accuracy": (logits.argmax(-1) == batch["label"]).sum(),
@@ -295,7 +295,7 @@ class UNet(Task):
         return batch["mask"].numel()
 
     def eval_sums(self, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = self.logits(batch)
+        logits = self.predicted(self.logits(batch), VALUES)  # per-pixel logits
         pred = F.one_hot(logits.argmax(1), self.num_classes)
         true = F.one_hot(batch["mask"], self.num_classes)
         sums = {"loss": F.cross_entropy(logits, batch["mask"], reduction="sum")}

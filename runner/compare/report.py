@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare import capacity
+from runner.compare import capacity, deployed
 from runner.compare.stats import median
 from runner.compare.verdicts import scales_loss
 
@@ -243,6 +243,7 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
         f"# Precision comparison: {sweep_dir}\n\n"
         + "\n".join(md)
         + (f"\n\nNotes:\n\n{notes}" if notes else "\n")
+        + deployed.markdown(groups)  # where jobs evaluated runner.eval_precisions
         + "\n![dashboard](compare.png)\n"
     )
     with open(paths["csv"], "w", newline="") as f:
@@ -255,6 +256,7 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
             "label": g.label,
             "status": g.status,
             "verdict": g.verdict,
+            **({"eval_precisions": e} if (e := g.jobs[0].summary.get("eval_precisions")) else {}),
             **{k: (v if _known(v) else None) for k, v in g.figures.items()},
         }
         for g in groups
@@ -308,6 +310,7 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     for r in rows[1:]:
         shown.add_row(*r)
     Console(width=None if sys.stdout.isatty() else 200).print(shown)
+    deployed.show(groups)
     for note in _notes(groups):
         print(f"note: {note}")
     print(f"written: {', '.join(str(p) for p in paths.values())}")

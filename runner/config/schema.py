@@ -18,6 +18,8 @@ from omegaconf import MISSING
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
 CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels
+# runner.eval_precisions: autocast in a dtype, or the model cast to it (runner/train/inference.py)
+EVAL_PRECISIONS = ("fp32", "bf16", "fp16", "fp16_cast", "bf16_cast")
 ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 update: runner's own
 ADAMW8BIT = "torchao.optim.AdamW8bit"  # optim=adamw8bit
 OWN_ADAMW_KEYS = {"_target_", "_partial_", "lr", "betas", "eps", "weight_decay", "fused", "foreach"}
@@ -156,6 +158,9 @@ class RunnerConfig:
     speed: str = "jobs"  # or interleaved: each group's precisions timed again (interleave.py)
     speed_rounds: int = 3  # interleaved: rounds alternating the order (median, IQR over them)
     speed_steps: int = 5  # interleaved: timed steps per precision and round, after 2 untimed
+    # After training, the final weights evaluated in each of these (EVAL_PRECISIONS; fp32, the
+    # reference, always): the metrics' change and the outputs' gap (runner/train/inference.py).
+    eval_precisions: list[str] = field(default_factory=list)
     # The fp32 islands search (python -m runner.islands, precision.fp32_modules=auto): at most
     # this many modules kept fp32, and each trial run the first islands_steps optimizer steps.
     islands_max: int = 4

@@ -11,7 +11,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.config.optim import validate_optim
 from runner.config.rules import integer, number, require
-from runner.config.schema import BF16_UPDATES, CPU_KERNELS, GPU_MEMORY_GB, Config, StageConfig
+from runner.config.schema import (
+    BF16_UPDATES,
+    CPU_KERNELS,
+    EVAL_PRECISIONS,
+    GPU_MEMORY_GB,
+    Config,
+    StageConfig,
+)
 from runner.config.tasks import validate_task
 from runner.precision.modes import MODES, choices
 
@@ -215,6 +222,21 @@ def validate(cfg: DictConfig) -> None:
     ):
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
+    asked = list(r.eval_precisions)
+    bad = [name for name in asked if name not in EVAL_PRECISIONS]
+    require(not bad, "runner.eval_precisions", asked, "allowed: " + ", ".join(EVAL_PRECISIONS))
+    require(
+        not asked or cfg.trainer.limit_val_batches > 0,
+        "runner.eval_precisions",
+        asked,
+        "they evaluate the validation batches: needs trainer.limit_val_batches > 0",
+    )
+    require(
+        not asked or cfg.trainer.strategy != "fsdp",
+        "runner.eval_precisions",
+        asked,
+        "they copy the whole weights on rank 0: not with trainer.strategy=fsdp (use ddp)",
+    )
     budget = r.memory_budget_gb
     require(
         budget is None

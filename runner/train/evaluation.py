@@ -6,7 +6,7 @@ through several precisions at once."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -17,6 +17,9 @@ from runner.errors import first_line
 from runner.task import Batch, DataModule, Task
 from runner.train import distributed
 
+Predictions = list[tuple[str, torch.Tensor]]  # (kind, prediction): Task.predicted's
+Compare = Callable[[list], None]  # each variant's Predictions of a batch (None: it ran none)
+
 
 @dataclass
 class Variant:
@@ -26,9 +29,12 @@ class Variant:
     context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # on the device: no sync a batch
 
-    def add(self, sums: dict[str, torch.Tensor]) -> None:
-        for key, value in sums.items():
-            self.sums[key] = self.sums.get(key, 0) + value.float()
+    def evaluate(self, index: int, batch: Batch) -> Predictions | None:
+        """The batch's metric sums added to the variant's; its predictions (`Task.predicted`)."""
+        with self.context(), self.task.predictions_captured() as predictions:
+            for key, value in self.task.eval_sums(batch).items():
+                self.sums[key] = self.sums.get(key, 0) + value.float()
+        return predictions
 
     def metrics(self, count: int) -> dict[str, float]:
         """The task's metrics over the batches seen, as `eval_<name>`."""
@@ -37,15 +43,18 @@ class Variant:
 
 
 @torch.inference_mode()
-def run(variants: list[Variant], batches: Iterable[Batch], to_device) -> int:
-    """Each batch through every variant in turn. Returns the number of targets."""
+def run(
+    variants: Sequence[Variant], batches: Iterable[Batch], to_device, compare: Compare | None = None
+) -> int:
+    """Each batch through every variant in turn, so that only one batch's outputs are held at a
+    time: `compare` sees each variant's predictions of the batch. Returns the number of targets."""
     count = 0
-    for batch in batches:
+    for index, batch in enumerate(batches):
         count += variants[0].task.num_targets(batch)
         batch = to_device(batch)
-        for variant in variants:
-            with variant.context():
-                variant.add(variant.task.eval_sums(batch))
+        predictions = [variant.evaluate(index, batch) for variant in variants]
+        if compare is not None:
+            compare(predictions)
     return count
 
 
