@@ -181,7 +181,7 @@ def test_a_run_with_an_fp32_island_evaluates_its_cast_copy(tmp_path):
         make_cfg(
             *TINY_MLP,
             "trainer.max_steps=4",
-            "precision.fp32_modules=[net.2]",
+            "precision.fp32_modules=[net.3]",  # the second Linear
             "runner.eval_precisions=[fp16_cast]",
         ),
         tmp_path,
