@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from runner.compare import compare, interleave
 from runner.config.validation import validate
 from runner.errors import UserError
 from runner.precision.island_search import search
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run, read_metrics
+from tests.test_compare import fake_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,3 +162,24 @@ def test_the_command_prints_the_trials_and_writes_islands_json(tmp_path):
         timeout=600,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: python -m runner.islands searches")
+
+
+def test_an_auto_job_is_timed_again_with_the_islands_its_search_found(tmp_path, monkeypatch):
+    """runner.speed=interleaved builds each row from its job's config: `auto` there stands for
+    the islands in the job's summary."""
+    runner = {"speed": "interleaved", "speed_rounds": 2, "speed_steps": 3}
+    fake_job(tmp_path / "0", "fp32", runner=runner)
+    found = {"fp32_islands": {"fp32_modules": ["net.blocks.0.0"]}}
+    auto = {"precision": {"fp32_modules": "auto"}}
+    fake_job(tmp_path / "1", "fp16", runner=runner, config=auto, summary=found)
+    asked = []
+
+    def time_configs(configs, rounds, steps):
+        asked.extend(list(c.precision.get("fp32_modules", [])) for c in configs.values())
+        figures = {"samples_per_s": 100.0, "samples_per_s_iqr": 1.0, "step_time_s": 0.1}
+        rounds = {"samples_per_s_rounds": [100.0] * rounds, "peak_memory_mb": 1.0}
+        return dict.fromkeys(configs, figures | rounds)
+
+    monkeypatch.setattr(interleave, "time_configs", time_configs)
+    compare(tmp_path, wandb_log=False)
+    assert asked == [[], ["net.blocks.0.0"]]

@@ -223,6 +223,8 @@ def time_sweep(groups: list[Group], settings: RunnerConfig) -> dict[tuple, dict]
         configs, steps = {}, {}
         for g, job in rows:
             cfg = OmegaConf.load(job.folder / ".hydra" / "config.yaml")
+            if cfg.precision.get("fp32_modules") == "auto":  # the islands its search found
+                cfg.precision.fp32_modules = job.summary["fp32_islands"]["fp32_modules"]
             ran = job.summary.get("steps") or cfg.trainer.max_steps
             for i, (part, n) in enumerate(_stages(cfg, ran)):
                 configs[g.key, i], steps[g.key, i] = part, n
