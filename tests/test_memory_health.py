@@ -200,7 +200,7 @@ def test_the_scale_history_decides_the_advice_when_the_gradient_is_fine(history,
 
 
 def test_the_memory_saving_uses_the_measured_peak_on_cuda_and_the_accounted_total_on_a_cpu():
-    from runner.compare.verdicts import memory_figure
+    from runner.compare.groups import memory_figure
 
     cuda = {"memory": {"total": 10.0, "peak": 14.0}, "peak_memory_mb": 14.0}
     cpu = {"memory": {"total": 10.0, "peak": None}, "peak_memory_mb": 900.0}

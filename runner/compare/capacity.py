@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runner.compare.verdicts import Group
+    from runner.compare.groups import Group
 
 # Where a sweep measured them, before the verdict.
 COLUMNS = [

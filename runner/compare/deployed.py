@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from runner.train import inference
 
 if TYPE_CHECKING:
-    from runner.compare.verdicts import Group
+    from runner.compare.groups import Group
 
 
 def table(groups: list[Group]) -> list[list[str]]:

@@ -38,8 +38,8 @@ from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
 
 if TYPE_CHECKING:
+    from runner.compare.groups import Group
     from runner.compare.jobs import Job
-    from runner.compare.verdicts import Group
 
 WARMUP_STEPS = 2  # untimed steps before each timing: the data loader starting, caches warming
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from runner import console
 from runner.compare import capacity, deployed
+from runner.compare.groups import scales_loss
 from runner.compare.stats import median
-from runner.compare.verdicts import scales_loss
 
 if TYPE_CHECKING:
-    from runner.compare.verdicts import Group
+    from runner.compare.groups import Group
 
 MEMORY = ("params", "grads", "optimizer", "masters", "activations")  # summary.json's `memory`
 

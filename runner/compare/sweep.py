@@ -21,9 +21,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from runner.compare import capacity, report
+from runner.compare.groups import Group, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.report import as_float
-from runner.compare.verdicts import Group, judge, memory_figure, scales_loss
+from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.errors import UserError
 

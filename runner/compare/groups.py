@@ -1,0 +1,110 @@
+"""A comparison's rows: the jobs of one precision in one setting, one per seed (`Group`), and each
+row's own figures over its seeds (the losses' mean ± std, a typical seed's median for the rest,
+its speed from the interleaved timing where there is one). verdicts.py judges them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from runner.compare import capacity
+from runner.compare.stats import finite, mean_std, median
+
+if TYPE_CHECKING:
+    from runner.compare.jobs import Job
+
+UNSTABLE = ("failed", "diverged", "overflow")  # job health that counts toward divergence_rate
+PAIRED = ("speedup", "memory_saving", "max_loss_gap", "final_loss_gap", "health")
+SPEED = ("samples_per_s", "samples_per_s_iqr", "samples_per_s_rounds", "step_time_s")
+
+
+@dataclass(eq=False)
+class Group:
+    """The jobs of one row (a precision and everything else it ran), one per seed."""
+
+    jobs: list[Job]
+    label: str
+    verdict: str = ""
+    figures: dict = field(default_factory=dict)
+    base: Group | None = None  # what it is compared with (runner/compare/sweep.py's `baseline`)
+
+    @property
+    def precision(self) -> str:
+        return self.jobs[0].precision
+
+    @property
+    def identity(self) -> tuple:
+        return self.jobs[0].identity
+
+    @property
+    def setting(self) -> tuple:
+        return self.jobs[0].setting
+
+    @property
+    def key(self) -> tuple:
+        """The row's identity, as the interleaved timings are keyed."""
+        return (self.precision, self.identity)
+
+    @property
+    def status(self) -> str:
+        """ "completed", or the status of its first seed that did not complete."""
+        statuses = (j.summary.get("status") for j in self.jobs)
+        return next((s for s in statuses if s != "completed"), "completed")
+
+    @property
+    def unstable(self) -> list[Job]:
+        return [j for j in self.jobs if j.figures["health"] in UNSTABLE]
+
+    @property
+    def counted(self) -> list[Job]:
+        """The seeds its figures come from: those that neither failed nor diverged, else all."""
+        return [j for j in self.jobs if j.figures["health"] not in UNSTABLE] or self.jobs
+
+
+def scales_loss(precision: str) -> bool:
+    """Whether a row's mode scales its loss (fp16, fp16_master): a skip there is an overflow."""
+    from runner.precision.modes import MODES
+
+    return precision in MODES and MODES[precision].scales_loss
+
+
+def memory_figure(summary: dict) -> tuple[float, str]:
+    """(MB, what it is) for the memory saving: CUDA's measured peak; on a CPU the accounted total
+    of summary.json's `memory` (a CPU process's peak is not one job's: a sweep's later jobs
+    inherit it); for a summary from before that accounting, the process's peak."""
+    memory = summary.get("memory") or {}
+    if memory.get("peak") is not None:
+        return float(memory["peak"]), "measured peak"
+    if memory.get("total") is not None:
+        return float(memory["total"]), "accounted total"
+    peak = summary.get("peak_memory_mb")
+    return (math.nan if peak is None else float(peak)), "process peak"
+
+
+def own_figures(g: Group, timing: dict | None) -> dict:
+    """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
+    jobs = g.counted
+    f = {k: median(j.figures[k] for j in jobs) for k in jobs[0].figures if k not in PAIRED}
+    for key in ("final_loss", "eval_loss"):
+        f[key], f[f"{key}_std"] = mean_std(j.figures[key] for j in jobs)
+    f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
+    f["memory_source"] = memory_figure(jobs[0].summary)[1]
+    f |= capacity.own(g, f["max_batch"])  # how its max batch was found
+    # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's.
+    f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
+    if timing is not None:
+        f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
+        # Its MFU by the step time its speed now comes from (as runner/measure/flops.py's utilisation;
+        # over 1, the peak is no ceiling, and no MFU is shown).
+        mfu = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
+        f["mfu"] = mfu if mfu <= 1 else math.nan
+    return f | {
+        "eval_loss_mean": f["eval_loss"],
+        "seeds": len(g.jobs),
+        "divergence_rate": len(g.unstable) / len(g.jobs),
+        # Against the baseline's job of the same seed: the worst seed's curve gap, a typical
+        # final gap.
+        "max_loss_gap": max(finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
+        "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
+    }
