@@ -5,7 +5,6 @@ checkpoint. Timing lives in `Meter`, checkpoint files in `Checkpointer`, non-fin
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ import torch
 from runner import console
 from runner.console import ProgressBar
 from runner.errors import Preempted
-from runner.measure.health import gradient_health
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
 from runner.tracking import RunLog
@@ -26,6 +24,7 @@ from runner.train.distributed import Dist
 from runner.train.evaluation import Evaluation
 from runner.train.preemption import Preemption
 from runner.train.telemetry import Meter, read_later
+from runner.train.window import forward_backward, window_health
 
 
 @dataclass
@@ -155,7 +154,9 @@ class Trainer:
         norm, signalled = distributed.count_over_ranks(
             count, self.preemption.flag, self.dist, self.device
         )
-        totals = self._forward_backward(window, norm)
+        totals = forward_backward(
+            self.model, window, norm, self.precision, self.meter, self.dist, self._to_device
+        )
         # This step's work is queued: waiting for the previous step's flag leaves no gap.
         self.settle()
         if self._stuck or self.collapsed:
@@ -182,36 +183,8 @@ class Trainer:
         )
         return totals, result
 
-    def _forward_backward(self, window: list[Batch], norm) -> dict[str, torch.Tensor]:
-        totals: dict[str, torch.Tensor] = {}
-        for i, batch in enumerate(window):
-            batch = self._to_device(batch)
-            # DDP averages gradients over ranks once per window: on its last micro-batch.
-            syncs = not self.dist.enabled or i == len(window) - 1
-            with contextlib.nullcontext() if syncs else distributed.no_grad_sync(self.model):
-                with self.precision.autocast(), self.meter.saving():
-                    losses = self.model(batch)
-                    if isinstance(losses, torch.Tensor):
-                        losses = {"loss": losses}
-                    losses = {k: v / norm for k, v in losses.items()}
-                self.precision.backward(list(losses.values()))
-            for key, loss in losses.items():
-                totals[key] = totals.get(key, 0) + loss.detach().float()
-        totals = distributed.sum_values(totals, self.dist)  # the global window's: every rank's
-        if "loss" not in totals:
-            totals = {f"loss_{k}": v for k, v in totals.items()}
-            totals["loss"] = sum(totals.values())
-        return totals
-
     def _gradient_health(self, window: list[Batch]) -> dict | None:
-        """A loss-scaled mode's, on the window's first micro-batch. Not where the weights are cast
-        (fp16_master's are fp16: no fp32 reference) nor under FSDP (sharded weights)."""
-        mode = self.precision.in_force
-        if not mode.scales_loss or mode.weights != "fp32" or self.sharded:
-            return None
-        norm = sum(self.task.num_targets(b) for b in window) * self.dist.world
-        batch = self._to_device(window[0])
-        return gradient_health(self.task, batch, norm, self.precision.loss_scale)
+        return window_health(self.task, window, self.precision, self.dist, self._to_device)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
