@@ -52,7 +52,7 @@ def summary_table(summary: dict) -> None:
     table.add_column(style="bold")
     table.add_column()
     for key, value in summary.items():
-        if key == "eval_precisions":  # a table of its own (runner/train/inference.py)
+        if key == "eval_precisions":  # a table of its own (runner/answers/inference.py)
             continue
         if isinstance(value, float):
             value = f"{value:.4g}"

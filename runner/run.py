@@ -4,47 +4,29 @@ notebooks call it; it leaves no global state behind for the next run in the same
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
+from runner.answers import max_batch
+from runner.answers.inference import evaluate_precisions
+from runner.build import build, seed_everything
 from runner.config.validation import validate
-from runner.errors import Preempted, UserError, building, first_line
-from runner.measure import max_batch, truth
+from runner.errors import Preempted, UserError, first_line
+from runner.measure import truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp16_health
 from runner.measure.memory import trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
-from runner.task import DataModule, Task
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
-from runner.train.inference import evaluate_precisions
 from runner.train.optim import build_optimizers
 from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # CUDA generators too
-
-
-def build(cfg: DictConfig) -> tuple[DataModule, Task]:
-    """Dataset first (the model needs its vocabulary and shapes), then the model, on the CPU.
-    A value the constructor cannot take is a UserError that names the group."""
-    with building("dataset", cfg.dataset):
-        data = instantiate(cfg.dataset)
-    with building("model", cfg.model):
-        task = instantiate(cfg.model, data=data)
-    return data, task
 
 
 def cap_threads() -> None:
@@ -133,9 +115,9 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         }
         cap_threads()
         if cfg.precision.fp32_modules == "auto":  # short runs find them (the search imports run)
-            from runner.precision import island_search
+            from runner.answers import islands
 
-            summary["fp32_islands"] = island_search.before_training(cfg, out, state, ranks.enabled)
+            summary["fp32_islands"] = islands.before_training(cfg, out, state, ranks.enabled)
         if cfg.runner.max_batch:  # throwaway runs (with the islands found); training as configured
             summary |= max_batch.search(cfg, device, ranks.world)
         seed_everything(cfg.seed)

@@ -56,13 +56,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import runner
-from runner.compare.interleave import (
-    alternate,
-    prepared,
-    time_configs,
-    trainer_timer,
-    workspace,
-)
+from runner.compare.interleave import alternate, time_configs
 from runner.compare.stats import median_ratio
 from runner.config.validation import validate
 from runner.precision import DeviceCaps, Precision, master, plan, reduce
@@ -70,6 +64,7 @@ from runner.precision.caps import resolve_device
 from runner.run import build, run, seed_everything
 from runner.task import Batch, DataModule, Task
 from runner.train.optim import build_optimizers
+from runner.train.session import prepared, trainer_timer, workspace
 from runner.train.telemetry import compile_counts
 
 OVERRIDES = [

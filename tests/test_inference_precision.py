@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from runner.answers.inference import cast_copy
 from runner.compare import compare
 from runner.errors import UserError
 from runner.precision import islands
 from runner.run import build, run
-from runner.train.inference import cast_copy
 from tests.helpers import TINY_BERT, TINY_MLP, load_last, make_cfg
 
 HERE = "tests.test_inference_precision"

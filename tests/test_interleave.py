@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from runner.compare import compare, interleave
+from runner.compare.stats import median_ratio
 from runner.config.validation import validate
 from runner.errors import UserError
 from tests.helpers import TINY_MLP, cli, make_cfg
@@ -161,7 +162,7 @@ def test_rounds_alternate_the_order_of_the_variants():
     results = interleave.alternate(timers, 3)
     assert order == list("abccbaabc")
     assert results == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
-    assert interleave.median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
+    assert median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.0]) == 2.0
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The fp32 islands search (runner/precision/island_search.py): a net with one layer whose
+"""The fp32 islands search (runner/answers/islands.py): a net with one layer whose
 activations pass fp16's 65504 trains in fp16 once that layer is found and kept in fp32; a net
 that overflows in more layers than `runner.islands_max` gets "no small set: use bf16"."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from runner.answers.islands import search
 from runner.compare import compare, interleave
 from runner.config.validation import validate
 from runner.errors import UserError
-from runner.precision.island_search import search
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run, read_metrics
 from tests.test_compare import fake_job

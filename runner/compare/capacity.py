@@ -1,4 +1,4 @@
-"""The largest micro-batch each row fits (runner.max_batch=true; runner/measure/max_batch.py finds
+"""The largest micro-batch each row fits (runner.max_batch=true; runner/answers/max_batch.py finds
 it before each job trains): each row's max_batch as a multiple of its setting's fp32 row's, the
 table's columns and the dashboard's bars. Shown only where the sweep measured it."""
 

@@ -1,12 +1,12 @@
 """The comparison's inference-precision table: each row's final weights evaluated in the
-precisions of runner.eval_precisions (runner/train/inference.py), where its jobs were: one per
+precisions of runner.eval_precisions (runner/answers/inference.py), where its jobs were: one per
 precision evaluated, from the row's first seed."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runner.train import inference
+from runner.answers import inference
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group

@@ -18,14 +18,14 @@ from omegaconf import MISSING
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
 CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels
-# runner.eval_precisions: autocast in a dtype, or the model cast to it (runner/train/inference.py)
+# runner.eval_precisions: autocast in a dtype, or the model cast to it (runner/answers/inference.py)
 EVAL_PRECISIONS = ("fp32", "bf16", "fp16", "fp16_cast", "bf16_cast")
 ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 update: runner's own
 ADAMW8BIT = "torchao.optim.AdamW8bit"  # optim=adamw8bit
 OWN_ADAMW_KEYS = {"_target_", "_partial_", "lr", "betas", "eps", "weight_decay", "fused", "foreach"}
 SCHEDULE_DECAYS = ("cosine", "linear", "constant")
 # runner.memory_budget_gb by a GPU's name: its memory in GB as its maker states it (≈ GiB: an
-# H100's 80 GB shows as 79.6 GiB), so that a CPU can plan for it (runner/measure/max_batch.py).
+# H100's 80 GB shows as 79.6 GiB), so that a CPU can plan for it (runner/answers/max_batch.py).
 GPU_MEMORY_GB = {
     "T4": 16,
     "V100-16": 16,
@@ -90,7 +90,7 @@ class PrecisionConfig:
     cpu_kernels: str = "auto"
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
     # their inputs cast to fp32: for sensitive layers and ops that only support fp32. Or auto:
-    # found before training by short runs (runner/precision/island_search.py). Any, not
+    # found before training by short runs (runner/answers/islands.py). Any, not
     # list[str] (OmegaConf has no unions): validation allows a list of names or "auto".
     fp32_modules: Any = field(default_factory=list)
     # Norm layers beyond those recognised (runner/precision/norms.py), by class name or module
@@ -159,14 +159,14 @@ class RunnerConfig:
     speed_rounds: int = 3  # interleaved: rounds alternating the order (median, IQR over them)
     speed_steps: int = 5  # interleaved: timed steps per precision and round, after 2 untimed
     # After training, the final weights evaluated in each of these (EVAL_PRECISIONS; fp32, the
-    # reference, always): the metrics' change and the outputs' gap (runner/train/inference.py).
+    # reference, always): the metrics' change and the outputs' gap (runner/answers/inference.py).
     eval_precisions: list[str] = field(default_factory=list)
     # The fp32 islands search (python -m runner.islands, precision.fp32_modules=auto): at most
     # this many modules kept fp32, and each trial run the first islands_steps optimizer steps.
     islands_max: int = 4
     islands_steps: int = 50
     # Before training, the largest per-device micro-batch (and, for token data, the longest
-    # sequence) that fits memory_budget_gb, measured (runner/measure/max_batch.py); training then
+    # sequence) that fits memory_budget_gb, measured (runner/answers/max_batch.py); training then
     # runs as configured.
     max_batch: bool = False
     # GB (2**30 bytes), or a GPU's name in GPU_MEMORY_GB (its memory less MEMORY_MARGIN); null:

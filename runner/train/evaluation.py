@@ -1,6 +1,6 @@
 """Evaluation: one loop over the validation batches, each batch through one or more `Variant`s of
 the task (a model, and the precision context its batches run in). The trainer's evaluation is the
-one-variant case, under the training autocast; runner/train/inference.py runs the final weights
+one-variant case, under the training autocast; runner/answers/inference.py runs the final weights
 through several precisions at once."""
 
 from __future__ import annotations

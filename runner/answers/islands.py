@@ -22,10 +22,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
+from runner.build import build, seed_everything
 from runner.errors import TrainingStopped, UserError, first_line
 from runner.precision import Precision, mode_of
 from runner.precision.caps import resolve_device
-from runner.run import build, seed_everything
 from runner.tracking import RunLog, dumps
 from runner.train.diagnostics import found_something, replay
 from runner.train.optim import build_optimizers

@@ -62,7 +62,7 @@ def budget(setting: float | str | None, device: torch.device) -> tuple[float, st
 def _probe(cfg: DictConfig) -> dict:
     """summary.json's `memory` of two steps of `cfg`, as the interleaved timing runs them."""
     # Imported here: interleave builds through runner.run, which imports this module.
-    from runner.compare.interleave import prepared, trainer_timer, workspace
+    from runner.train.session import prepared, trainer_timer, workspace
 
     with ExitStack() as stack:
         device, data, task, log = workspace(cfg, stack)
