@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.compare import compare, report
+from runner.compare import compare, dashboard
 from runner.errors import UserError
 from runner.run import run
 from runner.train import telemetry
@@ -210,7 +210,7 @@ def test_three_seeds_give_means_spreads_and_a_verdict_against_seed_noise(
     assert {"final_loss", "final_loss_std", "max_loss_gap", "status", "health"} <= set(row)
     table = (tmp_path / "compare.md").read_text()
     assert "| bf16 | 150.0 | 1.50× | 3.0 |" in table and f"{np.mean(fp32):.4f} ± " in table
-    steps, mean, low, high = report._curve(groups[1])  # compare.png: the mean and a band
+    steps, mean, low, high = dashboard._curve(groups[1])  # compare.png: the mean and a band
     assert steps == list(range(1, 21)) and mean[-1] == pytest.approx(np.mean(bf16))
     assert (low[-1], high[-1]) == (min(bf16), max(bf16))
 
@@ -386,14 +386,14 @@ def test_the_dashboard_draws_memory_by_category_and_the_loss_gap(tmp_path):
     groups = compare(tmp_path, wandb_log=False)
     plt.switch_backend("Agg")
     fig, axes = plt.subplots(1, 3)
-    report._memory(axes[0], groups)
+    dashboard._memory(axes[0], groups)
     tops = [p.get_y() + p.get_height() for p in axes[0].patches][-2:]  # the activations on top
     assert tops == [8.0, 10.0] and list(axes[0].lines[0].get_ydata()) == [9.0, 9.0]
     for job in (j for g in groups for j in g.jobs):
         del job.summary["memory"]
-    report._memory(axes[1], groups)
+    dashboard._memory(axes[1], groups)
     assert [p.get_height() for p in axes[1].patches] == [100.0, 100.0]  # peak_memory_mb
-    report._gaps(axes[2], groups)
+    dashboard._gaps(axes[2], groups)
     # Smoothed over the last two steps (a tenth of 20): bf16 2.225, fp32 2.025.
     assert axes[2].lines[0].get_ydata()[-1] == pytest.approx(100 * 0.2 / 2.025)
     plt.close(fig)

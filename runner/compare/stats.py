@@ -11,6 +11,16 @@ from collections.abc import Sequence
 CONFIDENCE = 0.95  # of the interval for the difference of mean losses over seeds
 
 
+def as_float(value) -> float:
+    """A figure from a summary or a row: NaN where it is missing."""
+    return float(value) if value is not None else math.nan
+
+
+def known(value) -> bool:
+    """A figure that is there: neither missing nor NaN."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
 def finite(values) -> list:
     return [v for v in values if v is not None and math.isfinite(v)]
 

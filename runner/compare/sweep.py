@@ -20,10 +20,10 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.compare import capacity, report
+from runner.compare import capacity, dashboard, report
 from runner.compare.groups import Group, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
-from runner.compare.report import as_float
+from runner.compare.stats import as_float
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.errors import UserError
@@ -33,7 +33,7 @@ MAX_SKIPPED_SHARE = 0.5
 
 
 def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
-    return report.smoothed(
+    return dashboard.smoothed(
         [r["step"] for r in rows], [as_float(r.get("loss")) for r in rows], window
     )
 

@@ -1,0 +1,174 @@
+"""The comparison's dashboard (compare.png): the loss curves, the loss gaps to the baseline, the
+speeds with their spread and the memory by category, a panel each; a third column of panels
+where the sweep measured the largest batch (capacity.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.compare import capacity
+from runner.compare.groups import scales_loss
+from runner.compare.stats import as_float, known, median
+
+if TYPE_CHECKING:
+    from runner.compare.groups import Group
+
+# summary.json's `memory`: "params" are the weights that train, "frozen" those that do not
+MEMORY = ("params", "frozen", "grads", "optimizer", "masters", "activations")
+
+
+def smoothed(steps: list[int], values: list[float], window: int) -> dict[int, float]:
+    """Each step's trailing mean over `window` values."""
+    out = {}
+    for i, step in enumerate(steps):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out[step] = sum(chunk) / len(chunk)
+    return out
+
+
+def _curve(group: Group) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, and the mean, least and greatest loss at each over the group's good seeds."""
+    by_step: dict[int, list[float]] = {}
+    for job in group.counted:
+        for r in job.rows:
+            if math.isfinite(as_float(r.get("loss"))):
+                by_step.setdefault(r["step"], []).append(r["loss"])
+    steps = sorted(by_step)
+    losses = [by_step[s] for s in steps]
+    return (
+        steps,
+        [sum(v) / len(v) for v in losses],
+        [min(v) for v in losses],
+        [max(v) for v in losses],
+    )
+
+
+def _losses(ax, groups: list[Group]) -> None:
+    """Each group's mean loss curve, a min–max band over its seeds, the fp16 loss scale; a
+    group's colour (C0, C1, ... by its place) is the same in every panel."""
+    scale_ax = None
+    for i, group in enumerate(groups):
+        steps, mean, low, high = _curve(group)
+        seeds, label = len(group.counted), group.label
+        if len(group.jobs) > 1:
+            of = f" of {len(group.jobs)}" if seeds < len(group.jobs) else ""
+            label += f" (mean of {seeds}{of} seeds, band: min–max)"
+        if steps:
+            ax.plot(steps, mean, label=label, linewidth=1.2, color=f"C{i}")
+            if seeds > 1:
+                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
+        scaled = [j for j in group.counted if j.rows] if scales_loss(group.precision) else []
+        for k, job in enumerate(scaled):
+            scale_ax = scale_ax or ax.twinx()
+            scale_ax.plot(
+                [r["step"] for r in job.rows],
+                [r["loss_scale"] for r in job.rows],
+                "--",
+                color=f"C{i}",
+                linewidth=1,
+                label="_nolegend_" if k else f"{group.label} loss scale",
+            )
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="loss by precision")
+    handles, labels = ax.get_legend_handles_labels()
+    if scale_ax is not None:
+        scale_ax.set_yscale("log")
+        scale_ax.set_ylabel("fp16 loss scale")
+        h2, l2 = scale_ax.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="upper right", fontsize="small")
+
+
+def _gaps(ax, groups: list[Group]) -> None:
+    """Each group's mean loss relative to its baseline's, step by step, both smoothed over a
+    tenth of the steps."""
+    for i, group in enumerate(groups):
+        base = group.base
+        if base is None or base is group:
+            continue
+        (steps, mean, _, _), (base_steps, base_mean, _, _) = _curve(group), _curve(base)
+        window = max(1, min(len(steps), len(base_steps)) // 10)
+        ours, theirs = smoothed(steps, mean, window), smoothed(base_steps, base_mean, window)
+        shared = sorted(k for k in ours.keys() & theirs.keys() if theirs[k])
+        gap = [100 * (ours[k] - theirs[k]) / abs(theirs[k]) for k in shared]
+        ax.plot(shared, gap, label=group.label, linewidth=1.2, color=f"C{i}")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(
+        xlabel="optimizer step", ylabel="loss vs baseline (%)", title="loss gap to fp32 (smoothed)"
+    )
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _speed(ax, groups: list[Group]) -> None:
+    """Each group's samples/s, whiskers its interquartile range; a step too small to tell is
+    hatched."""
+    x = range(len(groups))
+    speed = [g.figures.get("samples_per_s", math.nan) for g in groups]
+    iqr = [g.figures.get("samples_per_s_iqr", math.nan) for g in groups]
+    whiskers = [v / 2 if known(v) else 0 for v in iqr]
+    bars = ax.bar(x, speed, yerr=whiskers, capsize=4, color=[f"C{i}" for i in x])
+    for bar, g in zip(bars, groups, strict=True):
+        if g.figures.get("speed_emulated"):
+            bar.set_hatch("..")
+            bar.set_label("emulated: fp32 matmuls")
+        elif g.figures.get("too_small_to_tell"):
+            bar.set_hatch("//")
+            bar.set_label("step too small to tell")
+    ax.set_xticks(list(x), [g.label for g in groups], rotation=20, fontsize="small")
+    timing = ", ".join(sorted({g.figures["speed_source"] for g in groups}))
+    timing = timing.replace("jobs", "per-job")
+    ax.set(ylabel="samples/s", title=f"speed ({timing} timing; whiskers: IQR)")
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # one entry per kind of hatch
+        kinds = dict(zip(labels, handles, strict=True))
+        ax.legend(list(kinds.values()), list(kinds), fontsize="small")
+
+
+def _memory(ax, groups: list[Group]) -> None:
+    """summary.json's `memory` by category (a typical seed's), else the peak; else a note."""
+
+    def mb(job, key) -> float:
+        value = (job.summary.get("memory") or {}).get(key)
+        return as_float(value["mb"] if isinstance(value, dict) else value)
+
+    x = list(range(len(groups)))
+    if any(j.summary.get("memory") for g in groups for j in g.jobs):
+        bottom = [0.0] * len(groups)
+        for key in MEMORY:
+            heights = [median(mb(j, key) for j in g.counted) for g in groups]
+            heights = [h if math.isfinite(h) else 0.0 for h in heights]  # e.g. no masters
+            ax.bar(x, heights, bottom=bottom, label=key)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        peaks = [median(mb(j, "peak") for j in g.counted) for g in groups]
+        if any(math.isfinite(p) for p in peaks):  # CUDA's; a CPU process's peak is not the job's
+            ax.plot(x, peaks, "k_", markersize=20, label="measured peak")
+        ax.legend(fontsize="small")
+    elif any(known(g.figures.get("peak_memory_mb")) for g in groups):
+        ax.bar(x, [g.figures.get("peak_memory_mb", math.nan) for g in groups], label="peak")
+    else:
+        ax.text(0.5, 0.5, "no memory figures", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks(x, [g.label for g in groups], rotation=20, fontsize="small")
+    ax.set(ylabel="MB", title="memory by category")
+
+
+def plot(groups: list[Group], path: Path) -> None:
+    """compare.png: a 2×2 dashboard."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sized = capacity.measured(groups)  # a third column: the largest batch and sequence
+    fig, axes = plt.subplots(2, 3 if sized else 2, figsize=(21 if sized else 14, 9))
+    _losses(axes[0][0], groups)
+    _gaps(axes[0][1], groups)
+    _speed(axes[1][0], groups)
+    _memory(axes[1][1], groups)
+    if sized:
+        capacity.panel(axes[0][2], groups, "max_batch")
+        capacity.panel(axes[1][2], groups, "max_seq_len")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
