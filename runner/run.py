@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
-from runner.answers import max_batch
+from runner.answers import islands, max_batch
 from runner.answers.inference import evaluate_precisions
 from runner.build import build, seed_everything
 from runner.config.validation import validate
@@ -114,9 +114,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "torch_version": torch.__version__,
         }
         cap_threads()
-        if cfg.precision.fp32_modules == "auto":  # short runs find them (the search imports run)
-            from runner.answers import islands
-
+        if cfg.precision.fp32_modules == "auto":  # short runs find them; training keeps them
             summary["fp32_islands"] = islands.before_training(cfg, out, state, ranks.enabled)
         if cfg.runner.max_batch:  # throwaway runs (with the islands found); training as configured
             summary |= max_batch.search(cfg, device, ranks.world)
