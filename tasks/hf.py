@@ -21,6 +21,13 @@ TASKS = {
     "token_classification": ("AutoModelForTokenClassification", None),
     "image_classification": ("AutoModelForImageClassification", "images"),
 }
+# model.peft's task_type by model.task: PEFT's model class for it (a classifier's new head then
+# trains in full, as `modules_to_save`); masked and image models get PEFT's generic one.
+PEFT_TASK_TYPES = {
+    "causal_lm": "CAUSAL_LM",
+    "sequence_classification": "SEQ_CLS",
+    "token_classification": "TOKEN_CLS",
+}
 DATASETS = {
     "text": "synthetic_text, text_files or hub_text",
     "text_classification": "text_classification",
@@ -105,6 +112,7 @@ class HFModel(ModuleTask):
         freeze=(),
         gradient_checkpointing: bool = False,
         channels_last: bool | None = None,
+        peft=None,
     ):
         if task not in TASKS:
             raise UserError(f"model.task={task!r} is invalid: allowed: {', '.join(TASKS)}")
@@ -142,8 +150,10 @@ class HFModel(ModuleTask):
                 else "randomly initialised from its config"
             )
         )
+        if peft is not None:
+            peft = {"task_type": PEFT_TASK_TYPES.get(task), **peft}
         super().__init__(
-            data, net, self._loss(task, loss), freeze, gradient_checkpointing, channels_last
+            data, net, self._loss(task, loss), freeze, gradient_checkpointing, channels_last, peft
         )
 
     @staticmethod

@@ -15,6 +15,7 @@ from runner import console
 from runner.errors import UserError, building, first_line
 from runner.precision import layers
 from runner.task import VALUES, Batch, DataModule, Task
+from tasks import adapters
 from tasks.losses import (
     CrossEntropy,
     Loss,
@@ -99,6 +100,7 @@ class ModuleTask(Task):
         freeze: Sequence[str] = (),
         gradient_checkpointing: bool = False,
         channels_last: bool | None = None,
+        peft: Mapping | None = None,
     ):
         super().__init__()
         if isinstance(net, nn.Module):
@@ -121,7 +123,9 @@ class ModuleTask(Task):
                 "hold equal numbers of targets)"
             )
         self.frozen = list(freeze)
-        freeze_parameters(self.net, self.frozen)
+        freeze_parameters(self.net, self.frozen)  # by the net's own names, before PEFT's wrap
+        if peft is not None:  # model.peft: LoRA adapters train, the rest of the net is frozen
+            self.net = adapters.add_lora(self.net, peft)
         if gradient_checkpointing:
             self._checkpoint_blocks()
         if channels_last is None:
@@ -233,4 +237,6 @@ class ModuleTask(Task):
 
     def describe(self) -> dict:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        return {"trainable_parameters": trainable, "frozen": self.frozen}
+        return {"trainable_parameters": trainable, "frozen": self.frozen} | adapters.describe(
+            self.net
+        )

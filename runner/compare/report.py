@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare import capacity, deployed
+from runner.compare import capacity, deployed, finetune
 from runner.compare.dashboard import plot
 from runner.compare.stats import known
 
@@ -58,8 +58,12 @@ def _notes(groups: list[Group]) -> list[str]:
 
 
 def table(groups: list[Group]) -> list[list[str]]:
-    # The max-batch columns where the sweep measured it (runner.max_batch=true), before the verdict.
-    columns = COLUMNS[:-1] + (capacity.COLUMNS if capacity.measured(groups) else []) + COLUMNS[-1:]
+    # The max-batch columns where the sweep measured it (runner.max_batch=true), and a
+    # fine-tune's base and trained parts where a row froze weights, before the verdict.
+    extra = (capacity.COLUMNS if capacity.measured(groups) else []) + (
+        finetune.COLUMNS if finetune.shown(groups) else []
+    )
+    columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
     return [[name for name, _, _ in columns]] + [
         [_cell(g, k, f) for _, k, f in columns] for g in groups
     ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.compare import capacity, dashboard, report
+from runner.compare import capacity, dashboard, finetune, report
 from runner.compare.groups import Group, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.stats import as_float
@@ -87,6 +87,7 @@ def _job_figures(job: Job, base: Job | None) -> None:
         "mfu": as_float(s.get("mfu")),
         "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
         **capacity.job_figures(s),
+        **finetune.job_figures(s),
     }
     f |= dict.fromkeys(("speedup", "memory_saving", "max_loss_gap", "final_loss_gap"), math.nan)
     if base is not None and base is not job:

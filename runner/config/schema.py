@@ -18,6 +18,8 @@ from omegaconf import MISSING
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
 CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels
+# precision.adapter_dtype: a fine-tune's adapters (model.peft) in fp32, or in the base's dtype
+ADAPTER_DTYPES = ("fp32", "base")
 # runner.eval_precisions: autocast in a dtype, or the model cast to it (runner/answers/inference.py)
 EVAL_PRECISIONS = ("fp32", "bf16", "fp16", "fp16_cast", "bf16_cast")
 ADAMW = "torch.optim.AdamW"  # optim=adamw; with optim.state_dtype or a bf16 update: runner's own
@@ -105,6 +107,11 @@ class PrecisionConfig:
     # bf16's spacing are lost), stochastic_rounding, or kahan (a bf16 compensation buffer).
     keep_norms_fp32: bool = True
     update: str = "plain"  # read it as cfg["update"]: cfg.update is the mapping's method
+    # model.peft's adapters where the mode casts the weights (bf16_true, fp16_master): fp32 (the
+    # base in bf16/fp16, the adapters and their updates fp32), or base (its dtype; fp16_master
+    # then steps fp32 masters of them). Mixed modes keep every weight fp32 (runner/precision/
+    # adapters.py).
+    adapter_dtype: str = "fp32"
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
 
 

@@ -67,6 +67,20 @@ TASK_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
         "mlm_probability": ("a number in (0, 1)", lambda v: number(v) and 0 < v < 1),
     },
 }
+# model.peft (tasks/adapters.py): its short names for peft.LoraConfig's fields (any other key is a
+# field by its own name), the fields the runner sets itself, and the checks of its values.
+PEFT_ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+PEFT_FIXED = ("peft_type", "inference_mode", "peft_version", "auto_mapping")
+PEFT_KEYS: dict[str, tuple[str, Any]] = {
+    "r": _POSITIVE,
+    "lora_alpha": _SMALL,
+    "lora_dropout": _FRACTION,
+    "target_modules": (
+        "a list of module names, or one pattern (all-linear, a regex)",
+        lambda v: isinstance(v, str) or (isinstance(v, ListConfig) and len(v) > 0),
+    ),
+    "bias": ("none, all or lora_only", lambda v: v in ("none", "all", "lora_only")),
+}
 # Pairs of keys in one group where the first must be a multiple of the second (attention heads).
 DIVISIBLE = (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"))
 
@@ -88,6 +102,8 @@ def validate_task(cfg: DictConfig) -> None:
                     f"must be a multiple of {group}.{part} ({node[part]})",
                 )
     model, dataset = cfg.get("model"), cfg.get("dataset")
+    if isinstance(model, DictConfig) and model.get("peft") is not None:
+        _validate_peft(model.peft)
     if isinstance(model, DictConfig) and isinstance(dataset, DictConfig) and "seq_len" in dataset:
         for key in ("max_position_embeddings", "n_positions"):
             if key in model:
@@ -97,3 +113,24 @@ def validate_task(cfg: DictConfig) -> None:
                     dataset.seq_len,
                     f"must be ≤ model.{key} ({model[key]})",
                 )
+
+
+def _validate_peft(spec) -> None:
+    """model.peft: a mapping of LoRA settings, each a peft.LoraConfig field (or its alias) with a
+    value LoraConfig would take (it checks few itself: r=0 builds adapters that do nothing)."""
+    example = "{r: 8, alpha: 16, target_modules: [q_proj, v_proj]}"
+    require(isinstance(spec, DictConfig), "model.peft", spec, f"null or a mapping, e.g. {example}")
+    import dataclasses
+
+    import peft  # only where model.peft is set: it takes seconds
+
+    fields = {f.name for f in dataclasses.fields(peft.LoraConfig)} - set(PEFT_FIXED)
+    for key in spec:
+        name = PEFT_ALIASES.get(key, key)
+        allowed = ", ".join([*PEFT_ALIASES, "or peft.LoraConfig's fields (r, target_modules, ...)"])
+        require(name in fields, f"model.peft.{key}", spec[key], f"not a LoRA setting: {allowed}")
+        twice = key != name and name in spec
+        require(not twice, f"model.peft.{key}", spec[key], f"set once: {key} or {name}")
+        if name in PEFT_KEYS:
+            what, ok = PEFT_KEYS[name]
+            require(ok(spec[key]), f"model.peft.{key}", spec[key], f"must be {what}")

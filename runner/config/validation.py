@@ -12,6 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from runner.config.optim import validate_optim
 from runner.config.rules import integer, number, require
 from runner.config.schema import (
+    ADAPTER_DTYPES,
     BF16_UPDATES,
     CPU_KERNELS,
     EVAL_PRECISIONS,
@@ -128,6 +129,12 @@ def validate(cfg: DictConfig) -> None:
         "precision.cpu_kernels",
         p.cpu_kernels,
         "allowed: " + ", ".join(CPU_KERNELS),
+    )
+    require(
+        p.adapter_dtype in ADAPTER_DTYPES,
+        "precision.adapter_dtype",
+        p.adapter_dtype,
+        "allowed: " + ", ".join(ADAPTER_DTYPES),
     )
     require(
         p.reduce_dtype in ("fp32", "bf16"),

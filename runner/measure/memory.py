@@ -1,6 +1,7 @@
 """Memory by category and dtype, counted exactly and per job (never the process's peak, which a
-sweep's later jobs inherit): parameters, gradients, optimizer state, fp32 master copies, and the
-activations saved for backward in one step, which is what autocast saves."""
+sweep's later jobs inherit): the parameters that train, the frozen ones (a LoRA fine-tune's base,
+model.freeze), gradients, optimizer state, fp32 master copies, and the activations saved for
+backward in one step, which is what autocast saves."""
 
 from __future__ import annotations
 
@@ -105,8 +106,9 @@ def account(
 ) -> dict:
     """`summary.json`'s `memory`: each category's MB and its split by dtype, their `total`, and on
     CUDA the measured `peak` (allocated) and `reserved`, and what the categories leave
-    `unaccounted` (workspaces, temporaries, fragmentation). A gradient has its parameter's dtype
-    and exists for every trainable parameter (fp16_master: its fp32 masters have one too)."""
+    `unaccounted` (workspaces, temporaries, fragmentation). `params` are the weights that train,
+    `frozen` those that do not. A gradient has its parameter's dtype and exists for every
+    trainable parameter (fp16_master: its fp32 masters have one too)."""
     masters = list(masters)
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = [
@@ -117,7 +119,8 @@ def account(
         if torch.is_tensor(v)
     ]
     categories = {
-        "params": _bytes_by_dtype(model.parameters()),
+        "params": _bytes_by_dtype(trainable),
+        "frozen": _bytes_by_dtype(p for p in model.parameters() if not p.requires_grad),
         "grads": _bytes_by_dtype(trainable + masters),
         "optimizer": _bytes_by_dtype(state),
         "masters": _bytes_by_dtype(masters),

@@ -1,10 +1,11 @@
 """Precision truth: the dtypes a run really holds, read off its tensors once, after the first
 optimizer step (the optimizer state exists then), and set against what the config asked for.
 
-One row per distinct combination (module kind, weights, gradients, fp16_master's master copy and
-its gradients, optimizer state, autocast, FSDP's gather dtype, the gradient reduce dtype), with a
-count and an example name. Printed at the start of the run, mismatches as warnings, and written to
-summary.json as `precision_truth: {mode, autocast, rows, mismatches}`."""
+One row per distinct combination (module kind, the part of a fine-tune it is in, weights,
+gradients, fp16_master's master copy and its gradients, optimizer state, autocast, FSDP's gather
+dtype, the gradient reduce dtype), with a count and an example name. Printed at the start of
+the run, mismatches as warnings, and written to summary.json as
+`precision_truth: {mode, autocast, rows, mismatches}`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rich.markup import escape
 
 from runner import console
 from runner.measure.memory import local
+from runner.precision.adapters import adapter_parameters
 from runner.precision.islands import is_island
 from runner.precision.modes import mode_of
 from runner.precision.norms import norm_layers
@@ -112,6 +114,7 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
     norms = norm_layers(task, precision.cfg.norm_modules)  # the rule the casts follow
     islands = {p for m in modules.values() if is_island(m) for p in m.parameters()}  # and tied
     autocast = short(precision.dtype) or "off"
+    adapters = adapter_parameters(task)
     rows: dict[str, dict] = {}
     for name, p in task.named_parameters():  # tied weights once
         module = modules[name.rpartition(".")[0]]
@@ -128,6 +131,8 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
         trains = p.requires_grad
         row = {
             "module": _kind(module),
+            # a fine-tune's parts: its adapters (model.peft) and what gets no gradient
+            "part": "adapter" if p in adapters else None if trains else "frozen",
             "weights": weights,
             "grads": grad if trains else None,
             "master": held(master),
@@ -180,6 +185,7 @@ def _problems(row: dict, precision, state_dtype: str | None) -> list[str]:
 
 COLUMNS = (
     ("module", "module"),
+    ("part", "part"),
     ("count", "n"),
     ("weights", "weights"),
     ("grads", "grads"),

@@ -48,12 +48,17 @@ def _casts(own: bool, out: torch.dtype | None):
 
 
 def prepare(
-    task: nn.Module, islands: list[nn.Module], norms: set[nn.Module], update: str = "plain"
+    task: nn.Module,
+    islands: list[nn.Module],
+    norms: set[nn.Module],
+    update: str = "plain",
+    keep: set[nn.Parameter] = frozenset(),
 ) -> None:
     """Cast each module's own floating parameters and buffers to bf16, except in fp32 islands
-    (and their submodules) and in `norms` (the norm layers, where they keep fp32); give every
-    bf16 weight the update rule it takes (`bf16_update`); install the casts at module
-    boundaries (the `cast` layer, runner/precision/layers.py)."""
+    (and their submodules), in `norms` (the norm layers, where they keep fp32) and the
+    parameters in `keep` (a fine-tune's fp32 adapters); give every bf16 weight the update rule
+    it takes (`bf16_update`); install the casts at module boundaries (the `cast` layer,
+    runner/precision/layers.py): a module computes in its own weights' dtype."""
     kept = {id(m) for island in islands for m in island.modules()}
     nets = set(task.children())
     for module in task.modules():
@@ -63,7 +68,7 @@ def prepare(
                 if buffer.is_floating_point():
                     setattr(module, name, buffer.to(torch.bfloat16))
             for param in module.parameters(recurse=False):
-                if param.is_floating_point():
+                if param.is_floating_point() and param not in keep:
                     param.data = param.data.to(torch.bfloat16)
                     param.bf16_update = update
         own = next(module.parameters(recurse=False), None) is not None

@@ -12,7 +12,7 @@ import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
-from runner.train import distributed, sharded
+from runner.train import distributed, frozen, sharded
 from runner.train.convert import convert_precision
 from runner.train.distributed import Dist
 from runner.train.rng import restore_rng, rng_states
@@ -228,11 +228,12 @@ def _by_group(objects: dict) -> dict:
 def module_states(
     task: torch.nn.Module, optimizers: dict, schedulers: dict, fsdp: bool = False
 ) -> dict:
-    """FSDP: the model and optimizers by parameter name, as DCP saves them (every rank calls it)."""
+    """FSDP: the model and optimizers by parameter name, as DCP saves them (every rank calls it).
+    Else a fine-tune's frozen base is left out (runner/train/frozen.py)."""
     modules = (
         sharded.module_states(task, list(optimizers.values()))
         if fsdp
-        else {"model": task.state_dict(), "optimizer": _by_group(optimizers)}
+        else {**frozen.model_state(task), "optimizer": _by_group(optimizers)}
     )
     return {**modules, "scheduler": _by_group(schedulers)}
 
@@ -263,7 +264,7 @@ def load_modules(
 def _load_whole(state: dict, task: torch.nn.Module, optimizers: dict) -> None:
     """A single-file checkpoint into a model whose every rank holds all of it."""
     try:
-        task.load_state_dict(state["model"])
+        task.load_state_dict(frozen.full_state(task, state))
     except RuntimeError as e:
         mismatch = next(
             (

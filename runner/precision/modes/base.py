@@ -58,6 +58,8 @@ class Mode:
         """(dtype, why): the weights precision truth expects for one of its rows."""
         if self.weights == "fp32":
             return "fp32", f"precision={self.name} {MIXED_WEIGHTS}"
+        if row["part"] == "adapter" and cfg.adapter_dtype == "fp32":
+            return "fp32", f"precision={self.name} holds adapters in fp32 (precision.adapter_dtype)"
         norms = self.keeps_norms_fp32(cfg)
         kept = "norm layers and fp32 islands" if norms else "fp32 islands"
         island = row["autocast"] == "off (island)"

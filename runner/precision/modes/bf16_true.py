@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from runner.precision import bf16_true
+from runner.precision import adapters, bf16_true
 from runner.precision.modes.base import Mode
 
 
@@ -14,9 +14,11 @@ class Bf16True(Mode):
         return cfg.keep_norms_fp32
 
     def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
-        """Casts the weights to bf16 with their update rule and the casts at module boundaries."""
-        kept = norms if self.keeps_norms_fp32(precision.cfg) else set()
-        bf16_true.prepare(model, islands, kept, precision.cfg["update"])
+        """Casts the weights to bf16 with their update rule and the casts at module boundaries;
+        a fine-tune's adapters as precision.adapter_dtype says."""
+        cfg = precision.cfg
+        kept = norms if self.keeps_norms_fp32(cfg) else set()
+        bf16_true.prepare(model, islands, kept, cfg["update"], adapters.kept_fp32(cfg, model))
 
 
 MODE = Bf16True(
