@@ -3,7 +3,7 @@ budget, and for token data the longest sequence at the configured batch, found b
 Training then runs as configured: the search changes nothing it does (its runs are throwaway).
 
 A size is measured by a short real run of the config at that size, built and prepared as the
-comparison's interleaved timing builds a run (runner/compare/interleave.py, in one process): an
+comparison's interleaved timing builds a run (runner/train/session.py, in one process): an
 audited step, then one more (the second holds the optimizer state while its activations live).
 Its memory is, on CUDA, the peak allocated (torch.cuda.max_memory_allocated); elsewhere the
 accounted total of summary.json's `memory` (a CPU process's peak is not one run's).
@@ -33,6 +33,7 @@ from runner import console
 from runner.config.schema import GPU_MEMORY_GB, MEMORY_MARGIN
 from runner.errors import UserError, first_line
 from runner.measure.memory import MB
+from runner.train.session import prepared, trainer_timer, workspace
 
 Measure = Callable[[int], float | str]  # MB a size takes, or why it could not run
 FRACTIONS = (0.25, 0.5, 1.0)  # of the configured batch: the sizes the batch fit measures
@@ -61,9 +62,6 @@ def budget(setting: float | str | None, device: torch.device) -> tuple[float, st
 
 def _probe(cfg: DictConfig) -> dict:
     """summary.json's `memory` of two steps of `cfg`, as the interleaved timing runs them."""
-    # Imported here: interleave builds through runner.run, which imports this module.
-    from runner.train.session import prepared, trainer_timer, workspace
-
     with ExitStack() as stack:
         device, data, task, log = workspace(cfg, stack)
         variant, precision = prepared(cfg, task, device, stack)
