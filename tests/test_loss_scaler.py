@@ -5,6 +5,7 @@ Each test reads the scale each step really carried (metrics.jsonl) or the checkp
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -134,6 +135,24 @@ def test_a_scale_collapsed_to_its_floor_stops_the_run_with_one_line_and_loses_no
     rows = read_metrics(out)
     assert [r["precision"] for r in rows] == ["fp16"] * 3 + ["bf16"] * 2
     assert not any(r["skipped"] for r in rows[3:])
+
+
+def test_fp16_health_advises_a_cap_that_curbs_growth_probing_into_overflows(tmp_path):
+    """Growing every 2 steps, the scale keeps probing past where the MLP's gradients overflow;
+    the advice names a max_scale, and the run with it skips fewer steps, never above it."""
+    probing = [
+        *RUN,
+        "precision=fp16",
+        "precision.grad_scaler.init_scale=131072",
+        "precision.grad_scaler.growth_interval=2",
+        "trainer.max_steps=20",
+    ]
+    advice = run(make_cfg(*probing), tmp_path / "a")["fp16_health"]["recommendation"]
+    cap = re.search(r"precision\.grad_scaler\.max_scale=(\S+)", advice)
+    assert cap, advice
+    run(make_cfg(*probing, cap.group(0)), tmp_path / "b")
+    skipped = [sum(r["skipped"] for r in read_metrics(tmp_path / d)) for d in "ab"]
+    assert skipped[0] > skipped[1] and max(scales(tmp_path / "b")) == float(cap[1])
 
 
 def test_by_default_every_overflow_backs_off_and_the_run_goes_on(tmp_path):

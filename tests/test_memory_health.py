@@ -185,7 +185,7 @@ def test_fp16_health_measures_without_changing_the_run(tmp_path, monkeypatch):
     "history, advice",
     [
         ({"skipped_steps": 5, "steps": 20, "scale_min": 0.25}, "use bf16"),
-        ({"scale_backoffs": 8, "steps": 20}, "raise precision.grad_scaler.hysteresis to 2, or"),
+        ({"scale_backoffs": 8, "steps": 20}, "raise precision.grad_scaler.growth_interval"),
         (
             {"skipped_steps": 6, "leading_skipped_steps": 6, "scale_final": 1024.0},
             "lower precision.grad_scaler.init_scale",

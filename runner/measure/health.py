@@ -93,11 +93,16 @@ def _measure(task: Task, batch: Batch, norm: float, scale: float) -> dict:
 
 def scale_history(rows: list[dict]) -> dict:
     """From the rows of the loss-scaled steps: the smallest and last scale, how often it backed
-    off, how many steps it skipped, and how many of those were the first steps, in a row."""
+    off, how many steps it skipped, how many of those were the first steps, in a row, and the
+    largest scale of an applied step below every skipped step's (a cap that would have kept
+    GradScaler from probing into overflows)."""
     scales = [r["loss_scale"] for r in rows]
     backoffs = sum(b < a for a, b in zip(scales, scales[1:], strict=False))
     leading = next((i for i, r in enumerate(rows) if not r["skipped"]), len(rows))
+    overflowed = min((r["loss_scale"] for r in rows if r["skipped"]), default=None)
+    below = [r["loss_scale"] for r in rows if overflowed and r["loss_scale"] < overflowed]
     return {
+        "scale_safe_max": max(below, default=None),
         "scale_min": min(scales),
         "scale_final": scales[-1],
         "scale_backoffs": backoffs,
@@ -144,16 +149,14 @@ def recommend(health: dict, history: dict, grad_scaler) -> str:
                 f"{health['audited_scale']:g}, {low:.1%} of the gradient falls below fp16's "
                 f"normal range ({health['underflow_share_scaled']:.1%} to zero)"
             )
+    # A cap just below where every skipped step's scale lay: GradScaler stops probing into them.
+    safe = history.get("scale_safe_max") if grad_scaler.max_scale is None else None
+    cap = safe and f"precision.grad_scaler.max_scale={safe:g} (below every scale that overflowed)"
     if history["scale_backoffs"] > steps // 4 and steps >= 8:
-        # Megatron's remedy first: an isolated overflow then skips its step but keeps the scale.
-        hysteresis = (
-            "raise precision.grad_scaler.hysteresis to 2, or "
-            if grad_scaler.hysteresis == 1
-            else "raise "
-        )
         return (
-            f"{hysteresis}precision.grad_scaler.growth_interval above {growth_interval}: the "
-            f"scale backed off {history['scale_backoffs']} times in {steps} steps"
+            f"raise precision.grad_scaler.growth_interval above {growth_interval}"
+            f"{f', or set {cap}' if safe else ''}: the scale backed off "
+            f"{history['scale_backoffs']} times in {steps} steps"
         )
     if skipped and ceiling < init_scale:
         return (
@@ -171,7 +174,7 @@ def recommend(health: dict, history: dict, grad_scaler) -> str:
             f"{skipped} of {steps} steps were skipped (non-finite gradients at the scale in "
             f"force; down to {history['scale_min']:g}): rare skips are GradScaler trying a "
             "higher scale, frequent ones a model that overflows fp16 (nonfinite.json has the "
-            "first)"
+            f"first){f'; {cap} avoids them' if safe else ''}"
         )
     return "ok: the loss scale suits this model"
 
