@@ -19,6 +19,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "installing $TORCH_SPEC"
   "${PIP[@]}" "$TORCH_SPEC"
 fi
+# Nothing installed after torch may replace it: were a release of peft or accelerate (model.peft)
+# to ask for a newer torch, pip would upgrade it to the newest. So every later install is
+# constrained to the torch just installed (it then fails, and says why, instead).
+TORCH_PIN=$(mktemp)
+trap 'rm -f "$TORCH_PIN"' EXIT
+"$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__)' >"$TORCH_PIN"
 # torchao (optim=adamw8bit, precision=fp8) is built for one torch release and is not a project
 # dependency (`torchao>=0.18` could bring a torch of its own choosing): it is installed here pinned
 # to the torch just installed, from torchao's table of compatible releases. Add a line when torch
@@ -33,5 +39,5 @@ if [ -n "$TORCHAO" ]; then
 else
   echo "warning: no known torchao release for torch $TORCH_RELEASE: optim=adamw8bit and precision=fp8 are unavailable" >&2
 fi
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -c "$TORCH_PIN" -e ".[dev]"  # peft among the project's dependencies
 echo "ready: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
