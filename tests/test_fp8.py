@@ -1,8 +1,12 @@
 """precision=fp8 (torchao float8 training, emulated on a CPU): which Linears convert, what the
-audit counts, convergence next to bf16, exact resume, staged and islands. With compile, DDP and
-FSDP (two ranks of b against one process of 2b) it runs in the pairwise matrix (test_matrix.py)."""
+audit counts, convergence next to bf16, exact resume, staged and islands; precision=mxfp8 (its
+block-scaled format, test_mxfp8.py) shares the rules, so the tests that are not about float8's
+kernels run in both. With compile, DDP and FSDP (two ranks of b against one process of 2b) both
+run in the pairwise matrix (test_matrix.py)."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -18,6 +22,15 @@ from tests.helpers import TINY_BERT, make_cfg, read_metrics
 pytest.importorskip("torchao")
 
 FP8 = ["precision=fp8", "precision.fp8.min_features=16"]
+# Each format's overrides, the recipe a CPU runs, and torchao's converted layer class
+FORMATS = {
+    "fp8": (FP8, "tensorwise", "torchao.float8.float8_linear.Float8Linear"),
+    "mxfp8": (
+        ["precision=mxfp8", "precision.fp8.min_features=16"],
+        "mxfp8_emulated_rceil",
+        "torchao.prototype.moe_training.mxfp8_linear.MXFP8Linear",
+    ),
+}
 # A tiny BERT whose Linears have dimensions that are multiples of 16 (fp8 GEMMs need it).
 BERT = [*TINY_BERT, "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
 GPT = [
@@ -31,11 +44,17 @@ GPT = [
 LAYER = "model.bert.encoder.layer.0"
 
 
-def test_the_linears_convert_as_configured(tmp_path):
-    fp8 = run(make_cfg(*BERT, *FP8, "precision.fp8.skip=[first,last,'*.output.dense']"), tmp_path)[
-        "fp8"
-    ]
-    assert fp8["recipe"] == "tensorwise"
+def _layer_class(dotted: str) -> type:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("mode", FORMATS)
+def test_the_linears_convert_as_configured(tmp_path, mode):
+    overrides, recipe, _ = FORMATS[mode]
+    cfg = make_cfg(*BERT, *overrides, "precision.fp8.skip=[first,last,'*.output.dense']")
+    fp8 = run(cfg, tmp_path)["fp8"]
+    assert fp8["recipe"] == recipe
     assert sorted(fp8["converted"]) == [
         f"{LAYER}.attention.self.key",
         f"{LAYER}.attention.self.value",
@@ -48,23 +67,25 @@ def test_the_linears_convert_as_configured(tmp_path):
         assert "matches '*.output.dense'" in fp8["skipped"][name]
 
 
-def test_the_layers_reported_converted_are_torchaos_float8linear():
-    from torchao.float8.float8_linear import Float8Linear
-
-    cfg = make_cfg(*BERT, *FP8, "precision.fp8.skip=[first,last,'*.output.dense']")
+@pytest.mark.parametrize("mode", FORMATS)
+def test_the_layers_reported_converted_are_torchaos_converted_class(mode):
+    overrides, _, dotted = FORMATS[mode]
+    layer = _layer_class(dotted)
+    cfg = make_cfg(*BERT, *overrides, "precision.fp8.skip=[first,last,'*.output.dense']")
     _, task = build(cfg)
     precision = Precision(cfg.precision, torch.device("cpu"))
     precision.prepare(task, cfg.precision.fp32_modules)
-    float8 = {n for n, m in task.named_modules() if isinstance(m, Float8Linear)}
-    assert len(float8) == 4 and set(precision.fp8.report()["converted"]) == float8
-    assert not any(isinstance(task.get_submodule(n), Float8Linear) for n in precision.fp8.skipped)
+    converted = {n for n, m in task.named_modules() if isinstance(m, layer)}
+    assert len(converted) == 4 and set(precision.fp8.report()["converted"]) == converted
+    assert not any(isinstance(task.get_submodule(n), layer) for n in precision.fp8.skipped)
 
 
-def test_fp8_computes_other_numbers_than_bf16(tmp_path):
+@pytest.mark.parametrize("mode", FORMATS)
+def test_fp8_computes_other_numbers_than_bf16(tmp_path, mode):
     """The same run in bf16 autocast: every loss differs (the first one too: fp8's forward)."""
     cfg = [*BERT, "trainer.max_steps=2"]
     run(make_cfg(*cfg, "precision=bf16"), tmp_path / "bf16")
-    run(make_cfg(*cfg, *FP8), tmp_path / "fp8")
+    run(make_cfg(*cfg, *FORMATS[mode][0]), tmp_path / "fp8")
     bf16, fp8 = (read_metrics(tmp_path / mode) for mode in ("bf16", "fp8"))
     assert all(a["loss"] != b["loss"] for a, b in zip(bf16, fp8, strict=True))
 
@@ -130,11 +151,14 @@ def test_zero_rows_padded_in_change_no_output_and_no_gradient(recipe):
     assert all(torch.equal(a, b) for a, b in zip(padded, plain, strict=True))
 
 
-def test_the_audit_counts_the_fp8_gemms(tmp_path):
-    summary = run(make_cfg(*BERT, *FP8), tmp_path)
+@pytest.mark.parametrize("mode", FORMATS)
+def test_the_audit_counts_the_fp8_gemms(tmp_path, mode):
+    """And none of them as fp32 (MXFP8's tensors have the dtype they stand for: fp32)."""
+    summary = run(make_cfg(*BERT, *FORMATS[mode][0]), tmp_path)
     fp8 = summary["fp8"]
     assert fp8["fp8_flops_per_step"] > 0
     assert 0 < fp8["fp8_flop_share"] < summary["low_precision_flop_share"] <= 1
+    assert summary["fp32_ops"] == {}
 
 
 def test_small_or_odd_layers_stay_bf16(tmp_path):
@@ -146,19 +170,21 @@ def test_small_or_odd_layers_stay_bf16(tmp_path):
     assert "min_features=64" in fp8["skipped"][f"{LAYER}.attention.self.key"]
 
 
+@pytest.mark.parametrize("mode", FORMATS)
 @pytest.mark.parametrize("model", ["bert", "gpt"])
-def test_fp8_trains_to_within_3_percent_of_bf16(tmp_path, model):
+def test_fp8_trains_to_within_3_percent_of_bf16(tmp_path, model, mode):
     sizes = BERT if model == "bert" else GPT
     steps = ["trainer.max_steps=10", "trainer.val_check_interval=10", "trainer.limit_val_batches=2"]
     cfg = [*sizes, *steps, "optim.optimizer.lr=3e-3"]
     bf16 = run(make_cfg(*cfg, "precision=bf16"), tmp_path / "bf16")
-    fp8 = run(make_cfg(*cfg, *FP8), tmp_path / "fp8")
+    fp8 = run(make_cfg(*cfg, *FORMATS[mode][0]), tmp_path / "fp8")
     assert fp8["fp8"]["converted"]
     assert abs(fp8["eval_loss"] - bf16["eval_loss"]) < 0.03 * bf16["eval_loss"]
 
 
-def test_a_checkpoint_resumes_bit_exact(tmp_path):
-    cfg = [*BERT, *FP8, "optim.optimizer.fused=false"]
+@pytest.mark.parametrize("mode", FORMATS)
+def test_a_checkpoint_resumes_bit_exact(tmp_path, mode):
+    cfg = [*BERT, *FORMATS[mode][0], "optim.optimizer.fused=false"]
     whole = run(make_cfg(*cfg, "trainer.max_steps=6"), tmp_path / "whole")
     run(make_cfg(*cfg, "trainer.max_steps=3"), tmp_path / "resumed")
     resumed = run(
@@ -167,19 +193,21 @@ def test_a_checkpoint_resumes_bit_exact(tmp_path):
     assert resumed["final_loss"] == whole["final_loss"]
 
 
-def test_a_staged_run_computes_in_fp8_only_in_its_fp8_stage(tmp_path):
+@pytest.mark.parametrize("mode", FORMATS)
+def test_a_staged_run_computes_in_fp8_only_in_its_fp8_stage(tmp_path, mode):
     """fp32 for steps 1–2, then fp8: the first two steps are those of an fp32 run."""
-    stages = "precision.stages=[{mode:fp32,until_step:2},{mode:fp8}]"
+    stages = f"precision.stages=[{{mode:fp32,until_step:2}},{{mode:{mode}}}]"
     staged = [*BERT, "precision=staged", stages, "precision.fp8.min_features=16"]
     run(make_cfg(*staged), tmp_path / "staged")
     run(make_cfg(*BERT, "precision=fp32"), tmp_path / "fp32")
     rows, fp32 = read_metrics(tmp_path / "staged"), read_metrics(tmp_path / "fp32")
     assert [r["loss"] for r in rows[:2]] == [r["loss"] for r in fp32[:2]]
-    assert rows[2]["loss"] != fp32[2]["loss"] and rows[2]["precision"] == "fp8"
+    assert rows[2]["loss"] != fp32[2]["loss"] and rows[2]["precision"] == mode
 
 
-def test_an_island_stays_high_precision(tmp_path):
-    cfg = make_cfg(*BERT, *FP8, f"precision.fp32_modules=[{LAYER}.intermediate]")
+@pytest.mark.parametrize("mode", FORMATS)
+def test_an_island_stays_high_precision(tmp_path, mode):
+    cfg = make_cfg(*BERT, *FORMATS[mode][0], f"precision.fp32_modules=[{LAYER}.intermediate]")
     summary = run(cfg, tmp_path)
     assert summary["fp8"]["skipped"][f"{LAYER}.intermediate.dense"] == "inside an fp32 island"
     assert f"{LAYER}.output.dense" in summary["fp8"]["converted"]

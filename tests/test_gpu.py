@@ -38,7 +38,7 @@ def test_a_fused_step_never_synchronises_with_the_gpu(mode):
 
 
 @pytest.mark.parametrize(
-    "mode", ["fp32", "tf32", "fp16", "bf16", "fp16_master", "staged", "fp8", "bf16_true"]
+    "mode", ["fp32", "tf32", "fp16", "bf16", "fp16_master", "staged", "fp8", "mxfp8", "bf16_true"]
 )
 def test_every_mode_trains_on_the_gpu_with_its_figures(tmp_path, mode):
     cfg = make_cfg(
@@ -48,11 +48,12 @@ def test_every_mode_trains_on_the_gpu_with_its_figures(tmp_path, mode):
         "trainer.max_steps=30",
         "trainer.benchmark.warmup_steps=5",
         *(["precision.stages.0.until_step=10"] if mode == "staged" else []),
+        *(["precision.allow_emulated=true"] if mode == "mxfp8" else []),  # its units: sm_100+
     )
     summary = run(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["skipped_steps"] == 0
     assert summary["device"].startswith("cuda") and summary["peak_memory_mb"] > 0
     assert summary["peak_reserved_mb"] >= summary["peak_memory_mb"]
     assert summary["mfu"] is None or 0 < summary["mfu"] < 1
-    if mode in ("fp16", "bf16", "fp16_master", "staged", "fp8", "bf16_true"):
+    if mode in ("fp16", "bf16", "fp16_master", "staged", "fp8", "mxfp8", "bf16_true"):
         assert summary["low_precision_flop_share"] > 0.5

@@ -57,6 +57,9 @@ MATRIX = [
     ("fp8", "single", True, False, 2, True, "native"),
     ("fp8", "ddp", False, True, 1, False, "native"),
     ("fp8", "fsdp", False, True, 2, False, "fast"),
+    ("mxfp8", "single", True, True, 1, False, "fast"),
+    ("mxfp8", "ddp", False, False, 2, True, "native"),
+    ("mxfp8", "fsdp", False, True, 2, False, "fast"),
 ]
 
 
@@ -123,7 +126,7 @@ def _overrides(
         out.append(f"trainer.strategy={strategy}")
     if precision == "staged":
         out.append(STAGES)
-    if precision == "fp8":  # blocks.2 converts (the first and last Linear stay bf16 by default)
+    if precision in ("fp8", "mxfp8"):  # blocks.2 converts (the first and last Linear stay bf16)
         out.append("precision.fp8.min_features=16")
     if island:
         out.append("precision.fp32_modules=[net.blocks.0]")
@@ -213,10 +216,12 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
         assert [r["loss_scale"] for r in rows] == expected
     if precision == "staged":
         assert [r["precision"] for r in rows] == STAGE_MODES
-    if precision == "fp8":  # one layer in fp8; ranks of b match one process of 2b within fp8
+    if precision in ("fp8", "mxfp8"):  # one layer in fp8; ranks of b match one process of 2b
         assert summary["fp8"]["converted"] == ["net.blocks.2"]
         assert summary["fp8"]["fp8_flops_per_step"] > 0
-        single = read_metrics(root / _name(next(r for r in MATRIX if r[:2] == ("fp8", "single"))))
+        single = read_metrics(
+            root / _name(next(r for r in MATRIX if r[:2] == (precision, "single")))
+        )
         for got, want in zip(rows, single, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
     if precision == "bf16_true":  # bf16 weights; the island's stay fp32

@@ -80,7 +80,7 @@ def test_a_staged_run_resumes_in_its_stage_with_its_scaler(tmp_path):
         ("[{mode:fp32,until_step:5},{mode:fp16,until_step:5},{mode:bf16}]", "after the previous"),
         (
             "[{mode:fp16_master,until_step:5},{mode:bf16}]",
-            "allowed: fp32, tf32, fp16, bf16, fp8, auto",
+            "allowed: fp32, tf32, fp16, bf16, fp8, mxfp8, auto",
         ),
         ("[{mode:fp32},{mode:bf16}]", "precision.stages.0.until_step=None is invalid"),
     ],
@@ -134,9 +134,10 @@ def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
 
 
 def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
-    """staged, fp16_master, and the frontier's fp8 and bf16_true in one sweep with fp32 and bf16."""
+    """staged, fp16_master, and the frontier's fp8, mxfp8 and bf16_true in one sweep with fp32 and
+    bf16."""
     sweep = tmp_path / "sweep"
-    modes = ["fp32", "bf16", "staged", "fp16_master", "fp8", "bf16_true"]
+    modes = ["fp32", "bf16", "staged", "fp16_master", "fp8", "mxfp8", "bf16_true"]
     result = cli(
         "-m",
         f"precision={','.join(modes)}",

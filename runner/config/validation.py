@@ -52,6 +52,21 @@ def _validate_stages(stages) -> None:
             previous = stage.until_step
 
 
+def _validate_fp8(p) -> None:
+    """precision.fp8 under mxfp8: the skip rules are shared, fp8's recipe and all-gather are not;
+    a staged run converts its Linears once, so to one of the two formats."""
+    modes = {s.mode for s in p.stages} if p.mode == "staged" else {p.mode}
+    both = {"fp8", "mxfp8"} <= modes
+    why = "a run converts its Linears once: fp8 stages or mxfp8 stages, not both"
+    require(not both, "precision.stages", [s.mode for s in p.stages], why)
+    if "mxfp8" not in modes:
+        return
+    why = "applies to precision=fp8 only (mxfp8 runs torchao's MXFP8 recipe)"
+    require(p.fp8.recipe == "tensorwise", "precision.fp8.recipe", p.fp8.recipe, why)
+    why = "applies to precision=fp8 only (torchao gathers float8 weights, not MXFP8 ones)"
+    require(not p.fp8.all_gather, "precision.fp8.all_gather", p.fp8.all_gather, why)
+
+
 def _validate_known(node, schema, path: str) -> None:
     """Every key of a runner-owned group is one its schema has: `++trainer.max_stepz=5` adds a
     key that nothing would read."""
@@ -119,6 +134,7 @@ def validate(cfg: DictConfig) -> None:
     )
     if p.mode == "staged":
         _validate_stages(p.stages)
+    _validate_fp8(p)
     update = p["update"]
     require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
     why = "applies to a mode that holds bf16 weights (precision=bf16_true) only"

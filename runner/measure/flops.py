@@ -32,8 +32,8 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
     "H200 SXM": {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979},
     "H200 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
-    "B200": {"fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
-    "GB200": {"fp32": 80, "tf32": 1250, "bf16": 2500, "fp16": 2500, "fp8": 5000},
+    "B200": {"fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500, "mxfp8": 4500},
+    "GB200": {"fp32": 80, "tf32": 1250, "bf16": 2500, "fp16": 2500, "fp8": 5000, "mxfp8": 5000},
     "L4": {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
     "L40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05, "fp8": 362},
     "L40S": {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
@@ -57,6 +57,14 @@ _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
 _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
 # fp8 GEMMs show as float8 inputs of `_scaled_mm` on a GPU (on a CPU torchao emulates them in bf16)
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+# The fp8 arithmetics (a mode's `compute`): no CPU kernels to measure; MFU against bf16's peak too
+FP8_COMPUTES = ("fp8", "mxfp8")
+
+
+def _computes_in(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype an operand computes in. A torchao MXFP8 tensor (`MXTensor`) has the dtype of
+    the high-precision tensor it stands for, but holds and multiplies fp8 data (`qdata`)."""
+    return getattr(tensor, "qdata", tensor).dtype
 
 
 class PrecisionAudit(TorchDispatchMode):
@@ -80,7 +88,7 @@ class PrecisionAudit(TorchDispatchMode):
             else:
                 dtype = next(
                     (
-                        a.dtype
+                        _computes_in(a)
                         for a in args
                         if isinstance(a, torch.Tensor) and a.is_floating_point()
                     ),
@@ -164,7 +172,7 @@ def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
 def cpu_matmul_tflops(caps, mode: str, cache_dir: Path) -> float | None:
     """On a CPU, the rate of n×n matmuls in the mode's dtype, measured once per (CPU, threads,
     torch, dtype) and cached with those conditions; None elsewhere and for fp8 (no CPU kernels)."""
-    if caps.type != "cpu" or mode == "fp8":
+    if caps.type != "cpu" or mode in FP8_COMPUTES:
         return None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
     key = f"{caps.name}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
@@ -261,7 +269,7 @@ def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
         }
     else:
         out |= {"mfu": achieved / peak, "hfu": hardware / peak}
-    if mode == "fp8":
+    if mode in FP8_COMPUTES:
         # torchtitan and most papers divide an fp8 run by the bf16 peak, llm-foundry by fp8's.
         # Against bf16's it can exceed 1: fp8 GEMMs run up to twice as fast. Only where the
         # device has an fp8 peak: elsewhere (a CPU) fp8 is emulated and neither is a ceiling.

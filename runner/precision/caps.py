@@ -9,6 +9,9 @@ import torch
 
 from runner.errors import UserError
 
+# The compute capability from which a GPU's tensor cores run each arithmetic (mxfp8: Blackwell)
+TENSOR_CORES = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0), "fp8": (8, 9), "mxfp8": (10, 0)}
+
 
 @dataclass(frozen=True)
 class DeviceCaps:
@@ -37,7 +40,7 @@ class DeviceCaps:
             return True, "fp32 runs everywhere"
         if self.type == "cuda":
             cc = self.cuda_capability or (0, 0)
-            need = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0), "fp8": (8, 9)}[mode]
+            need = TENSOR_CORES[mode]
             ok = cc >= need
             return ok, (
                 f"{self.name} has compute capability {cc[0]}.{cc[1]}; "
@@ -46,14 +49,14 @@ class DeviceCaps:
         if self.type == "cpu":
             if mode == "tf32":
                 return False, "CPUs have no TF32 units: tf32 matmuls run as fp32"
-            if mode == "fp8":
-                return False, "CPUs have no fp8 units: torchao emulates fp8 matmuls"
+            if mode in ("fp8", "mxfp8"):
+                return False, f"CPUs have no {mode} units: torchao emulates {mode} matmuls"
             flags = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}[mode]
             found = [f for f in flags if f in self.cpu_flags]
             if found:
                 return True, f"CPU has {', '.join(f.upper() for f in found)}"
             return False, f"CPU lacks {' and '.join(f.upper() for f in flags)}: {mode} is emulated"
-        return mode in ("fp16", "bf16"), f"{self.type} autocast"  # fp8: no emulation there
+        return mode in ("fp16", "bf16"), f"{self.type} autocast"  # fp8, mxfp8: no emulation there
 
     def best_mode(self) -> tuple[str, str]:
         """The mode `auto` picks: bf16 (no loss scaling needed) > fp16 > fp32."""

@@ -1,15 +1,17 @@
-"""precision=fp8: torchao's float8 training on the model's `nn.Linear` layers, bf16 autocast for
-everything else. Which Linears to convert, and why the others are not, is decided here; what is
-reported as converted, and the fp8 FLOPs, are read off the model (the layers that are torchao's
-`Float8Linear`) and off the GEMMs that ran on fp8 tensors. In a `staged` run the converted layers
-compute in fp8 only in fp8 stages."""
+"""Low-precision Linears, fp8 or MXFP8: which of the model's `nn.Linear` layers torchao converts,
+and why the others are not, is decided here (`Fp8Linears`, for both formats); `Float8` is
+precision=fp8's format, torchao's float8 (runner/precision/mxfp8.py is precision=mxfp8's). What
+is reported as converted, and the fp8 FLOPs, are read off the model (the layers that are
+torchao's converted class) and off the GEMMs that ran on torchao's fp8 tensors. In a `staged`
+run the converted layers compute in fp8 only in the stages of their mode."""
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
 import functools
-from collections.abc import Iterable, Iterator
+import importlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,20 +25,18 @@ from runner.precision.layers import recomputing
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
-FP8_DIMENSION = 16  # torch._scaled_mm on a GPU needs the inner and outer dims multiples of this
 
 
-def _torchao_float8():
-    """torchao's float8 module, imported only when fp8 is asked for (it is a large import)."""
+def import_torchao(module: str, mode: str):
+    """A torchao module, imported only when `mode` needs it (torchao is a large import)."""
     console.quiet_torchao()
     try:
-        import torchao.float8 as float8
+        return importlib.import_module(module)
     except ImportError:
         raise UserError(
-            "precision=fp8 needs torchao (pip install torchao, the release that fits your torch: "
-            "0.18.0 for torch 2.13)"
+            f"precision={mode} needs torchao (pip install torchao, the release that fits your "
+            "torch: 0.18.0 for torch 2.13)"
         ) from None
-    return float8
 
 
 def _conv1d_to_linear(model: nn.Module) -> None:
@@ -52,26 +52,35 @@ def _conv1d_to_linear(model: nn.Module) -> None:
                 setattr(parent, name, linear)
 
 
-class Float8:
-    """Converts the chosen Linears once (before compile and DDP/FSDP wrapping) and switches them
-    between fp8 and their plain forward as the run's stages go in and out of fp8."""
+class Fp8Linears:
+    """Chooses the Linears to convert (the skip rules of precision.fp8), converts them once
+    (before compile and DDP/FSDP wrapping) and switches them between their low-precision forward
+    and their plain one as the run's stages go in and out of the mode. A format (`Float8`,
+    `MXFP8`) says how torchao converts a layer, what it becomes, and its GEMMs' alignment."""
+
+    alignment = 16  # the dimensions (and a gradient GEMM's rows) the format's kernels need
 
     def __init__(self, cfg):
-        if cfg.recipe not in RECIPES:
-            raise UserError(
-                f"precision.fp8.recipe={cfg.recipe!r} is invalid: allowed: {', '.join(RECIPES)}"
-            )
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
         self.min_features, self.all_gather = cfg.min_features, cfg.all_gather
         self.skipped: dict[str, str] = {}
         self.active = False
         self._model: nn.Module | None = None
-        self._float8 = None  # torchao.float8, once imported (only where a layer is chosen)
+        self._layer: type | None = None  # torchao's converted layer class, once imported
+        self._gemm_tensor: type | None = None  # torchao's tensor class of the GEMMs' operands
+
+    def _convert(self, model: nn.Module, chosen: set[str]) -> None:
+        """Converts the Linears named in `chosen` with torchao; sets `_layer`, `_gemm_tensor`."""
+        raise NotImplementedError
+
+    def _compute(self, layer: nn.Module, fp8_forward: Callable, x: torch.Tensor) -> torch.Tensor:
+        """A converted layer's low-precision forward on `x`, as the format's kernels take it."""
+        return fp8_forward(x)
 
     def _skip_reason(self, name: str, linear: nn.Linear, order: list[str]) -> str | None:
         dims = (linear.in_features, linear.out_features)
-        if any(d % FP8_DIMENSION for d in dims):
-            return f"dimensions {dims[0]}×{dims[1]} are not multiples of {FP8_DIMENSION}"
+        if any(d % self.alignment for d in dims):
+            return f"dimensions {dims[0]}×{dims[1]} are not multiples of {self.alignment}"
         if min(dims) < self.min_features:
             return f"smaller than precision.fp8.min_features={self.min_features}"
         for pattern in self.patterns:
@@ -100,9 +109,67 @@ class Float8:
             else:
                 chosen.add(name)
         self._model = model
-        if not chosen:
-            return
-        self._float8 = float8 = _torchao_float8()
+        if chosen:
+            self._convert(model, chosen)
+            for module in self._converted().values():
+                self._switchable(module)
+
+    def _converted(self) -> dict[str, nn.Module]:
+        """The layers that are torchao's converted class (FSDP2 subclasses it), by name."""
+        if self._layer is None:
+            return {}
+        return {n: m for n, m in self._model.named_modules() if isinstance(m, self._layer)}
+
+    def _switchable(self, module: nn.Module) -> None:
+        """Outside the mode's stages the layer runs as the plain Linear it was (same weights).
+        Under `inference_mode` (evaluation) torchao's fp8 tensors fail, so it runs under
+        `no_grad`."""
+        fp8_forward = functools.partial(self._compute, module, module.forward)
+
+        @functools.wraps(module.forward)
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not self.active:
+                return nn.Linear.forward(module, x)
+            if torch.is_inference_mode_enabled():  # evaluation: torchao's fp8 needs plain no_grad
+                with torch.inference_mode(False), torch.no_grad():
+                    return fp8_forward(x)
+            return _rows_aligned(fp8_forward, x, self.alignment)
+
+        module.forward = forward
+
+    def after_step(self) -> None:
+        """What the format does after each optimizer step (fp8's FSDP2 scales)."""
+
+    def report(self) -> dict:
+        """`converted`: the layers that are torchao's converted class on the model; `skipped`:
+        the Linears left out, each with its reason."""
+        converted = list(self._converted())
+        return {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[dict]:
+        """The FLOPs of the fp8 GEMMs of the steps run inside (the audited one): the matmuls
+        whose operands are torchao's fp8 tensors, each of which torchao runs on fp8 data (on a
+        CPU too). None outside the mode's stages, where the layers run plain."""
+        gemms = _Fp8Gemms(self._gemm_tensor) if self._gemm_tensor else None
+        with gemms or contextlib.nullcontext():
+            yield gemms.counts if gemms else {"fp8_flops_per_step": 0}
+
+
+class Float8(Fp8Linears):
+    """precision=fp8: torchao's float8 training (`convert_to_float8_training`: `Float8Linear`
+    layers with dynamic scales, in one of its recipes)."""
+
+    def __init__(self, cfg):
+        if cfg.recipe not in RECIPES:
+            raise UserError(
+                f"precision.fp8.recipe={cfg.recipe!r} is invalid: allowed: {', '.join(RECIPES)}"
+            )
+        super().__init__(cfg)
+        self._float8 = None  # torchao.float8, once imported (only where a layer is chosen)
+
+    def _convert(self, model: nn.Module, chosen: set[str]) -> None:
+        self._float8 = float8 = import_torchao("torchao.float8", "fp8")
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         if self.all_gather:
             if self.recipe != "tensorwise":
@@ -114,62 +181,26 @@ class Float8:
         float8.convert_to_float8_training(
             model, config=config, module_filter_fn=lambda _module, fqn: fqn in chosen
         )
-        for module in self._converted().values():
-            self._switchable(module)
+        self._layer = import_torchao("torchao.float8.float8_linear", "fp8").Float8Linear
+        self._gemm_tensor = float8.Float8TrainingTensor
 
-    def _converted(self) -> dict[str, nn.Module]:
-        """The layers that are torchao's `Float8Linear` (FSDP2 subclasses it), by name."""
-        if self._float8 is None:
-            return {}
-        from torchao.float8.float8_linear import Float8Linear
-
-        modules = self._model.named_modules()
-        return {name: m for name, m in modules if isinstance(m, Float8Linear)}
-
-    def _switchable(self, module: nn.Module) -> None:
-        """Outside fp8 stages the layer runs as the plain Linear it was (same weights). Under
-        `inference_mode` (evaluation) torchao's fp8 tensors fail, so it runs under `no_grad`."""
-        fp8_forward = module.forward
-
-        @functools.wraps(fp8_forward)
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not self.active:
-                return nn.Linear.forward(module, x)
-            if torch.is_autocast_enabled(x.device.type):
-                # as torchao does under CUDA's autocast only: on a CPU the input stayed fp32
-                # (rowwise_with_gw_hp's high-precision GEMM then met a bf16 gradient and failed)
-                x = x.to(torch.get_autocast_dtype(x.device.type))
-            if torch.is_inference_mode_enabled():  # evaluation: torchao's fp8 needs plain no_grad
-                with torch.inference_mode(False), torch.no_grad():
-                    return fp8_forward(x)
-            return _rows_aligned(fp8_forward, x)
-
-        module.forward = forward
+    def _compute(self, layer: nn.Module, fp8_forward: Callable, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            # as torchao does under CUDA's autocast only: on a CPU the input stayed fp32
+            # (rowwise_with_gw_hp's high-precision GEMM then met a bf16 gradient and failed)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return fp8_forward(x)
 
     def after_step(self) -> None:
         """With fp8 all-gather under FSDP2: the next gather's scales, one collective for all."""
         if self.all_gather and self.active and self._float8:
             self._float8.precompute_float8_dynamic_scale_for_fsdp(self._model)
 
-    def report(self) -> dict:
-        """`converted`: the layers that are `Float8Linear` on the model; `skipped`: the Linears
-        left out, each with its reason."""
-        converted = list(self._converted())
-        return {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[dict]:
-        """The FLOPs of the fp8 GEMMs of the steps run inside (the audited one): the matmuls
-        whose operands are torchao's fp8 tensors, each of which torchao runs as a `_scaled_mm`
-        on fp8 data (on a CPU too). None outside fp8 stages, where the layers run plain."""
-        gemms = _Fp8Gemms(self._float8.Float8TrainingTensor) if self._float8 else None
-        with gemms or contextlib.nullcontext():
-            yield gemms.counts if gemms else {"fp8_flops_per_step": 0}
-
 
 class _Fp8Gemms(TorchDispatchMode):
-    """Counts the FLOPs of the ops that take a torchao fp8 tensor (`Float8TrainingTensor`); the
-    tensor turns each matmul into a `_scaled_mm` below this mode, out of its sight. Model FLOPs,
+    """Counts the FLOPs of the ops that take a torchao fp8 tensor (`Float8TrainingTensor`,
+    MXFP8's `MXTensor`); the tensor turns each matmul into a `_scaled_mm` (or its emulation)
+    below this mode, out of its sight. Model FLOPs,
     as the audit's: a forward that gradient checkpointing recomputes is not counted again."""
 
     def __init__(self, fp8_tensor: type):
@@ -186,15 +217,16 @@ class _Fp8Gemms(TorchDispatchMode):
         return out
 
 
-def _rows_aligned(fp8_forward, x: torch.Tensor) -> torch.Tensor:
+def _rows_aligned(fp8_forward: Callable, x: torch.Tensor, alignment: int) -> torch.Tensor:
     """The layer's fp8 forward with the input's rows (the micro-batch's tokens) padded with zero
-    rows to a multiple of 16 where they are not (a dataset padded per batch): the GEMM of the
-    weight's gradient sums over them, and on a GPU torch._scaled_mm refuses an inner dimension
-    that is not a multiple of 16 (torchao's `pad_inner_dim` would copy every GEMM's operands,
-    aligned or not). Zero rows add nothing to that gradient nor to any scale's amax; their
-    outputs are dropped."""
+    rows to a multiple of `alignment` where they are not (a dataset padded per batch): the GEMM
+    of the weight's gradient sums over them, and on a GPU torch._scaled_mm refuses an inner
+    dimension that is not a multiple of 16 (torchao's `pad_inner_dim` would copy every GEMM's
+    operands, aligned or not); MXFP8 scales that dimension in blocks of 32, on a CPU too. Zero
+    rows add nothing to that gradient nor to any scale's amax (a tensor's, a row's or a 32-block's);
+    their outputs are dropped."""
     rows = x.numel() // x.shape[-1]
-    missing = -rows % FP8_DIMENSION
+    missing = -rows % alignment
     if not missing or not torch.is_grad_enabled():  # no gradient GEMM in evaluation
         return fp8_forward(x)
     padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, missing))

@@ -13,7 +13,6 @@ from runner.errors import UserError
 from runner.precision import islands
 from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
-from runner.precision.fp8 import Float8
 from runner.precision.master import MasterWeights
 from runner.precision.modes import Mode, mode_of
 from runner.precision.norms import norm_layers
@@ -51,8 +50,9 @@ class Precision:
         modes = [m for _, m, _ in self.stages]
         self.loss_scaler = LossScaler(cfg.grad_scaler, device, sharded, modes)
         self.master = MasterWeights()
-        # fp8's Linears are converted once; they compute in fp8 in fp8 stages only
-        self.fp8 = Float8(cfg.fp8) if any(mode_of(m).fp8 for m in modes) else None
+        # fp8's (or mxfp8's) Linears are converted once; they compute so in its stages only
+        fp8 = [mode_of(m) for m in modes if mode_of(m).fp8]  # one format (validation)
+        self.fp8 = fp8[0].linears(cfg.fp8, self.caps) if fp8 else None
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
         self.fast_kernels = FastKernels(emulated_dtypes(cfg.cpu_kernels, self.caps, modes))
         self._saved_matmul_precision = torch.get_float32_matmul_precision()

@@ -6,10 +6,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from runner.precision.caps import DeviceCaps
+from runner.precision.fp8 import Float8, Fp8Linears
 from runner.precision.modes.base import Mode
 
 
 class Fp8(Mode):
+    def linears(self, cfg, caps: DeviceCaps) -> Fp8Linears:
+        """What converts and switches its Linears (`cfg`: precision.fp8)."""
+        return Float8(cfg)
+
     def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
         """Converts the Linears to fp8 (islands left out)."""
         precision.fp8.prepare(model, islands)
