@@ -5,6 +5,7 @@ the adapters precision.adapter_dtype's, the checkpoint holds the adapters and le
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -237,7 +238,7 @@ def test_a_users_net_takes_lora_with_checkpointing(tmp_path):
 def test_bad_lora_settings_are_one_clear_line(tmp_path, llama, overrides, message):  # noqa: F811
     folder, text = llama
     with pytest.raises(UserError, match=message):
-        run(hf(folder, *causal_lm_on_text(text), *overrides), tmp_path)
+        run(hf(folder, *causal_lm_on_text(text), "dataset.seq_len=16", *overrides), tmp_path)
 
 
 def test_a_net_peft_cannot_adapt_is_one_clear_line(tmp_path):
@@ -266,3 +267,35 @@ def test_the_comparison_shows_base_and_trained_memory(tmp_path, llama):  # noqa:
     assert bf16["trained_mb"] == fp32["trained_mb"] > 0
     header = (tmp_path / "compare.md").read_text().splitlines()[2]
     assert "| base MB | trained MB |" in header
+
+
+def test_lora_trains_under_ddp_and_fsdp(tmp_path):
+    """Two ranks: the adapters train and the base stays frozen, averaged by DDP and sharded by
+    FSDP alike; DDP's checkpoint holds the adapters alone (FSDP's set, DCP's, holds all)."""
+    from tests.test_distributed import run_ranks
+
+    jobs = [
+        (
+            module_run(
+                "tests.test_norms.OwnNormNet",
+                "+model.peft.r=2",
+                "+model.peft.target_modules=[blocks.0.0,blocks.1.0]",
+                "precision=bf16",
+                f"trainer.strategy={strategy}",
+                "trainer.device=cpu",
+            ),
+            tmp_path / strategy,
+        )
+        for strategy in ("ddp", "fsdp")
+    ]
+    for folder in (tmp_path / "ddp", tmp_path / "fsdp"):
+        folder.mkdir()
+    reports = run_ranks(jobs)
+    assert [r["outcome"] for job in reports for r in job] == ["completed"] * 4
+    for _, folder in jobs:
+        truth = json.loads((folder / "summary.json").read_text())["precision_truth"]
+        assert truth["mismatches"] == []
+        trains = {r["part"]: r["grads"] for r in truth["rows"]}
+        assert trains == {"adapter": "fp32", "frozen": None}
+    model = load_last(tmp_path / "ddp")["model"]
+    assert len(model) == ADAPTERS and all(".lora_" in k for k in model)
