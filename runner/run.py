@@ -125,6 +125,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)
         precision.prepare(task, cfg.precision.fp32_modules)  # islands; fp16_master's masters
+        summary["fp32_head"] = precision.fp32_head  # precision.fp32_head's module (None: off)
         if cfg.trainer.compile:
             task.compile()  # in place: parameter names and checkpoints stay as in eager mode
         reset_peak_memory(device)

@@ -39,6 +39,11 @@ class Task(nn.Module, ABC):
         only while it computes; the rest is sharded as one unit."""
         return []
 
+    def output_head(self) -> nn.Module | None:
+        """A language model's output projection, the module its logits come out of
+        (precision.fp32_head keeps it fp32); None where the task has none."""
+        return None
+
     def num_targets(self, batch: Batch) -> int:
         """How many terms `forward` sums; read from the host-side batch, so no device sync."""
         return len(next(iter(batch.values())))

@@ -49,6 +49,9 @@ class GPT(Task):
     def shard_units(self) -> list[torch.nn.Module]:
         return list(self.model.transformer.h)
 
+    def output_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()  # tied to the input embedding
+
     def _logits(self, batch: Batch) -> torch.Tensor:
         """Position t's prediction of token t+1."""
         return self.model(input_ids=batch["input_ids"]).logits[:, :-1]

@@ -52,6 +52,9 @@ class BertMLM(Task):
     def shard_units(self) -> list[torch.nn.Module]:
         return list(self.model.bert.encoder.layer)
 
+    def output_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()  # tied to the input embedding
+
     def _logits_and_labels(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Blocks are full (no padding), so no attention mask is needed.
         logits = self.model(input_ids=batch["input_ids"]).logits

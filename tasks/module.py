@@ -178,6 +178,17 @@ class ModuleTask(Task):
     def shard_units(self) -> list[nn.Module]:
         return blocks(self.net)
 
+    def output_head(self) -> nn.Module | None:
+        """A Hugging Face net's `get_output_embeddings()` (a causal or masked LM's head); else
+        the net's last `nn.Linear` in registration order (a single-file GPT's `lm_head`, a
+        classifier's last layer). A head elsewhere: name it in precision.fp32_modules."""
+        getter = getattr(self.net, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if head is None:
+            linears = [m for m in self.net.modules() if isinstance(m, nn.Linear)]
+            head = linears[-1] if linears else None
+        return head
+
     def inputs(self, batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         inputs, target = batch_target(batch)
         if self.channels_last:

@@ -70,12 +70,22 @@ class StageConfig:
 
 
 @dataclass
+class KeepBf16Config:
+    # The model's first and last blocks (Task.shard_units: the blocks FSDP shards and gradient
+    # checkpointing recomputes) whose Linears stay bf16 (Megatron's --num-layers-at-start-in-bf16
+    # and --num-layers-at-end-in-bf16).
+    first: int = 0
+    last: int = 0
+
+
+@dataclass
 class Fp8Config:
     recipe: str = "tensorwise"  # torchao's: tensorwise, rowwise, rowwise_with_gw_hp
     # Left in bf16: "first"/"last" (the first and last Linear) and fnmatch patterns on names.
     skip: list[str] = field(default_factory=lambda: ["first", "last"])
     min_features: int = 0  # a Linear with a dimension below this stays bf16
     all_gather: bool = False  # FSDP2: gather converted weights in fp8
+    keep_bf16: KeepBf16Config = field(default_factory=KeepBf16Config)  # fp8 and mxfp8
 
 
 @dataclass
@@ -95,6 +105,9 @@ class PrecisionConfig:
     # found before training by short runs (runner/answers/islands.py). Any, not
     # list[str] (OmegaConf has no unions): validation allows a list of names or "auto".
     fp32_modules: Any = field(default_factory=list)
+    # A language model's output projection (Task.output_head) as one more fp32 island, in every
+    # mode: its logits, and so its loss, in fp32 (the train/inference log-prob gap's fix).
+    fp32_head: bool = False
     # Norm layers beyond those recognised (runner/precision/norms.py), by class name or module
     # name (fnmatch patterns): their weights stay fp32 where a mode casts weights, FSDP gathers
     # them in fp32.

@@ -158,6 +158,10 @@ def validate(cfg: DictConfig) -> None:
         p.reduce_dtype,
         "allowed: fp32, bf16",
     )
+    for end in ("first", "last"):
+        kept = p.fp8.keep_bf16[end]
+        key = f"precision.fp8.keep_bf16.{end}"
+        require(kept >= 0, key, kept, "a number of the model's blocks: must be ≥ 0")
     gs = p.grad_scaler
     require(
         number(gs.init_scale) and gs.init_scale > 0,

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import flop_registry
 from runner import console
 from runner.errors import UserError
 from runner.precision.layers import recomputing
+from runner.task import Task
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
@@ -63,6 +64,7 @@ class Fp8Linears:
     def __init__(self, cfg):
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
         self.min_features, self.all_gather = cfg.min_features, cfg.all_gather
+        self.keep_bf16 = cfg.keep_bf16.first, cfg.keep_bf16.last
         self.skipped: dict[str, str] = {}
         self.active = False
         self._model: nn.Module | None = None
@@ -90,12 +92,34 @@ class Fp8Linears:
                 return f"matches {pattern!r} (precision.fp8.skip)"
         return None
 
+    def _kept_blocks(self, model: nn.Module) -> dict[int, str]:
+        """id → reason, for the modules in the blocks precision.fp8.keep_bf16 leaves in bf16: the
+        first and last of the task's blocks (`Task.shard_units`, those FSDP shards one by one)."""
+        first, last = self.keep_bf16
+        if not first and not last:
+            return {}
+        blocks = model.shard_units() if isinstance(model, Task) else []
+        if first + last > len(blocks):
+            raise UserError(
+                f"precision.fp8.keep_bf16: first={first} and last={last} blocks, but the model has "
+                f"{len(blocks)} (those FSDP shards: its longest nn.ModuleList or nn.Sequential)"
+            )
+        kept = {}
+        for i, block in enumerate(blocks):
+            end = FIRST if i < first else LAST if i >= len(blocks) - last else None
+            if end:
+                count = first if end == FIRST else last
+                why = f"in block {i} of {len(blocks)} (precision.fp8.keep_bf16.{end}={count})"
+                kept |= {id(m): why for m in block.modules()}
+        return kept
+
     def prepare(self, model: nn.Module, islands: Iterable[nn.Module]) -> None:
         """Converts every Linear not skipped; Linears inside fp32 islands stay high precision.
         GPT-2's `Conv1D` layers (Linears with the weight stored transposed) become Linears first,
         so they convert too."""
         _conv1d_to_linear(model)
         in_islands = {id(m) for island in islands for m in island.modules()}
+        in_kept_blocks = self._kept_blocks(model)
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         order = [n for n, _ in linears]
         chosen = set()
@@ -103,7 +127,9 @@ class Fp8Linears:
             reason = "inside an fp32 island" if id(linear) in in_islands else None
             if type(linear) is not nn.Linear:
                 reason = reason or f"a {type(linear).__name__}, not a plain nn.Linear"
-            reason = reason or self._skip_reason(name, linear, order)
+            reason = (
+                reason or in_kept_blocks.get(id(linear)) or self._skip_reason(name, linear, order)
+            )
             if reason:
                 self.skipped[name] = reason
             else:

@@ -15,6 +15,7 @@ import torch
 
 from runner.errors import UserError
 from runner.precision import layers
+from runner.task import Task
 
 
 def _fp32(x):
@@ -39,10 +40,29 @@ def find(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
     return [modules[name] for name in names]
 
 
-def keep_fp32(model: torch.nn.Module, names: Sequence[str], device_type: str) -> None:
-    """Make each named submodule an fp32 island (a second call is harmless)."""
-    for module in find(model, names):
+def output_head(model: torch.nn.Module) -> str:
+    """precision.fp32_head: the name of the task's output head (`Task.output_head`), to be one
+    more island: its logits in fp32, so the loss taken from them is fp32 too (autocast computes
+    cross-entropy in fp32 from what it is given; bf16_true has no autocast). A head tied to the
+    input embedding (GPT-2, BERT) shares its weight, which then stays fp32 for both."""
+    head = model.output_head() if isinstance(model, Task) else None
+    if head is None:
+        raise UserError(
+            f"precision.fp32_head=true: {type(model).__name__} has no output head to keep in fp32 "
+            "(it applies to language models: model=gpt, bert, hf or module; elsewhere name the "
+            "module in precision.fp32_modules)"
+        )
+    return next(name for name, module in model.named_modules() if module is head)
+
+
+def keep_fp32(
+    model: torch.nn.Module, names: Sequence[str], device_type: str
+) -> list[torch.nn.Module]:
+    """Make each named submodule an fp32 island (a second call is harmless); returns them."""
+    found = find(model, names)
+    for module in found:
         layers.add(module, "island", functools.partial(_island, device_type))
+    return found
 
 
 def is_island(module: torch.nn.Module) -> bool:

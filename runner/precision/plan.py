@@ -108,12 +108,12 @@ class Precision:
         torch.backends.cudnn.allow_tf32 = self._saved_cudnn_tf32
 
     def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
-        """Install the fp32 islands (in every mode: a later stage may autocast), then let each
-        stage's mode do what it does to the model once (fp16_master's masters, bf16_true's
-        cast, fp8's conversion)."""
-        islands.keep_fp32(model, fp32_modules, self.device.type)
+        """The fp32 islands, and `fp32_head` (precision.fp32_head's output head), in every mode
+        (a later stage may autocast); then each stage's mode does what it does to the model once."""
+        self.fp32_head = islands.output_head(model) if self.cfg.fp32_head else None
+        names = [*fp32_modules, self.fp32_head] if self.fp32_head else fp32_modules
+        kept = islands.keep_fp32(model, names, self.device.type)
         norms = norm_layers(model, self.cfg.norm_modules)  # in every mode: a typo is an error
-        kept = islands.find(model, fp32_modules)
         for mode in dict.fromkeys(m for _, m, _ in self.stages):
             mode_of(mode).convert(self, model, kept, norms)
 

@@ -15,10 +15,12 @@ class Bf16True(Mode):
 
     def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
         """Casts the weights to bf16 with their update rule and the casts at module boundaries;
-        a fine-tune's adapters as precision.adapter_dtype says."""
+        a fine-tune's adapters as precision.adapter_dtype says. An island's weights stay fp32
+        also where another module shares them (a head tied to the input embedding)."""
         cfg = precision.cfg
         kept = norms if self.keeps_norms_fp32(cfg) else set()
-        bf16_true.prepare(model, islands, kept, cfg["update"], adapters.kept_fp32(cfg, model))
+        keep = adapters.kept_fp32(cfg, model) | {p for m in islands for p in m.parameters()}
+        bf16_true.prepare(model, islands, kept, cfg["update"], keep)
 
 
 MODE = Bf16True(
