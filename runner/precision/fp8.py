@@ -21,6 +21,7 @@ from torch.utils.flop_counter import flop_registry
 
 from runner import console
 from runner.errors import UserError
+from runner.precision import layers
 from runner.precision.layers import recomputing
 from runner.task import Task
 
@@ -138,7 +139,7 @@ class Fp8Linears:
         if chosen:
             self._convert(model, chosen)
             for module in self._converted().values():
-                self._switchable(module)
+                layers.add(module, "fp8", self._switch)
 
     def _converted(self) -> dict[str, nn.Module]:
         """The layers that are torchao's converted class (FSDP2 subclasses it), by name."""
@@ -146,22 +147,17 @@ class Fp8Linears:
             return {}
         return {n: m for n, m in self._model.named_modules() if isinstance(m, self._layer)}
 
-    def _switchable(self, module: nn.Module) -> None:
-        """Outside the mode's stages the layer runs as the plain Linear it was (same weights).
-        Under `inference_mode` (evaluation) torchao's fp8 tensors fail, so it runs under
-        `no_grad`."""
-        fp8_forward = functools.partial(self._compute, module, module.forward)
-
-        @functools.wraps(module.forward)
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not self.active:
-                return nn.Linear.forward(module, x)
-            if torch.is_inference_mode_enabled():  # evaluation: torchao's fp8 needs plain no_grad
-                with torch.inference_mode(False), torch.no_grad():
-                    return fp8_forward(x)
-            return _rows_aligned(fp8_forward, x, self.alignment)
-
-        module.forward = forward
+    def _switch(self, module: nn.Module, forward: Callable, x: torch.Tensor) -> torch.Tensor:
+        """The `fp8` layer of a converted Linear's forward (runner/precision/layers.py): outside
+        the mode's stages it runs as the plain Linear it was (same weights). Under
+        `inference_mode` (evaluation) torchao's fp8 tensors fail, so it runs under `no_grad`."""
+        if not self.active:
+            return nn.Linear.forward(module, x)
+        fp8_forward = functools.partial(self._compute, module, forward)
+        if torch.is_inference_mode_enabled():  # evaluation: torchao's fp8 needs plain no_grad
+            with torch.inference_mode(False), torch.no_grad():
+                return fp8_forward(x)
+        return _rows_aligned(fp8_forward, x, self.alignment)
 
     def after_step(self) -> None:
         """What the format does after each optimizer step (fp8's FSDP2 scales)."""
