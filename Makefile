@@ -1,10 +1,11 @@
 # make run   set up .venv and run the main job (BERT MLM in bf16)
 # make test  set up .venv and run the test suite (CI runs this)
 # make sweep set up .venv and compare fp32, fp16 and bf16 side by side
+# make docs  build the documentation site (docs/) strictly: a broken link or page fails
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run sweep test lint bench
+.PHONY: setup run sweep test lint bench docs
 
 setup:
 	@bash scripts/setup.sh
@@ -24,3 +25,6 @@ lint: setup
 
 bench: setup
 	$(PY) scripts/bench.py
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $${TMPDIR:-/tmp}/amp-runner-site
