@@ -128,18 +128,24 @@ def test_hf_gradient_checkpointing_recomputes_in_the_forwards_precision(
     assert_recomputed_alike(plain, checkpointed, batch, precision)
 
 
-def test_a_causal_lm_trains_on_its_own_loss(tmp_path):
-    """`model.loss=output`: the model's own (shifted, mean) loss, through model=hf, on local text
-    tokenized with the model's tokenizer."""
+def tiny_gpt2_and_text(tmp_path, documents: int) -> tuple:
+    """A one-block transformers GPT-2 saved with `save_pretrained` (with its tokenizer) and a local
+    text file of `documents` lines: the folder and the file."""
     folder = tmp_path / "gpt"
-    tokenizer = _tokenizer(folder)
     config = transformers.GPT2Config(
-        vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64
+        vocab_size=len(_tokenizer(folder)), n_embd=32, n_layer=1, n_head=2, n_positions=64
     )
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     rng = random.Random(1)
     text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(NEUTRAL[:6], k=30)) for _ in range(200)))
+    text.write_text("\n".join(" ".join(rng.choices(NEUTRAL[:6], k=30)) for _ in range(documents)))
+    return folder, text
+
+
+def test_a_causal_lm_trains_on_its_own_loss(tmp_path):
+    """`model.loss=output`: the model's own (shifted, mean) loss, through model=hf, on local text
+    tokenized with the model's tokenizer."""
+    folder, text = tiny_gpt2_and_text(tmp_path, documents=200)
     cfg = hf(
         folder,
         *causal_lm_on_text(text),

@@ -6,11 +6,8 @@ classes, the dtypes their forwards return and the checkpoint, with Hugging Face'
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import transformers
 from torch import nn
 
 from runner.config.validation import validate
@@ -18,7 +15,7 @@ from runner.errors import UserError
 from runner.precision import Precision
 from runner.run import build, run
 from tests.helpers import TINY_MLP, load_last, make_cfg, read_metrics
-from tests.test_hf import NEUTRAL, _tokenizer, causal_lm_on_text, hf
+from tests.test_hf import causal_lm_on_text, hf, tiny_gpt2_and_text
 from tests.test_own_model import HERE as OWN_MODEL
 from tests.test_own_model import TinyGPT
 
@@ -169,14 +166,7 @@ def test_a_hugging_face_gpt2_keeps_its_tied_head_fp32_in_the_checkpoint(tmp_path
     """model=hf: the head is transformers' get_output_embeddings() (lm_head, tied to wte); under
     bf16_true the shared weight stays fp32, the blocks' weights are bf16, and precision truth
     finds nothing held other than the config asks."""
-    folder = tmp_path / "gpt"
-    config = transformers.GPT2Config(
-        vocab_size=len(_tokenizer(folder)), n_embd=32, n_layer=1, n_head=2, n_positions=64
-    )
-    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
-    rng = random.Random(1)
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(" ".join(rng.choices(NEUTRAL[:6], k=30)) for _ in range(50)))
+    folder, text = tiny_gpt2_and_text(tmp_path, documents=50)
     cfg = hf(
         folder,
         *causal_lm_on_text(text),
