@@ -7,6 +7,7 @@ run the converted layers compute in fp8 only in the stages of their mode."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fnmatch
 import functools
@@ -54,7 +55,7 @@ def _conv1d_to_linear(model: nn.Module) -> None:
                 setattr(parent, name, linear)
 
 
-class Fp8Linears:
+class Fp8Linears(abc.ABC):
     """Chooses the Linears to convert (the skip rules of precision.fp8), converts them once
     (before compile and DDP/FSDP wrapping) and switches them between their low-precision forward
     and their plain one as the run's stages go in and out of the mode. A format (`Float8`,
@@ -72,9 +73,10 @@ class Fp8Linears:
         self._layer: type | None = None  # torchao's converted layer class, once imported
         self._gemm_tensor: type | None = None  # torchao's tensor class of the GEMMs' operands
 
+    @abc.abstractmethod
     def _convert(self, model: nn.Module, chosen: set[str]) -> None:
-        """Converts the Linears named in `chosen` with torchao; sets `_layer`, `_gemm_tensor`."""
-        raise NotImplementedError
+        """Converts the Linears named in `chosen` with torchao; sets `_layer`, `_gemm_tensor`.
+        Each format (`Float8`, `MXFP8`) says how."""
 
     def _compute(self, layer: nn.Module, fp8_forward: Callable, x: torch.Tensor) -> torch.Tensor:
         """A converted layer's low-precision forward on `x`, as the format's kernels take it."""
@@ -160,7 +162,9 @@ class Fp8Linears:
         return _rows_aligned(fp8_forward, x, self.alignment)
 
     def after_step(self) -> None:
-        """What the format does after each optimizer step (fp8's FSDP2 scales)."""
+        """What the format does after each optimizer step (fp8's FSDP2 scales): by default,
+        nothing (MXFP8 has no step-to-step state)."""
+        return None
 
     def report(self) -> dict:
         """`converted`: the layers that are torchao's converted class on the model; `skipped`:
