@@ -110,7 +110,10 @@ def test_fast_kernels_hold_in_compiled_code(tmp_path):
     bf16 matmuls from fp32 inputs too, with the eager run's numerics."""
     common = [*TINY_BERT, *SHORT, "precision=bf16", "trainer.max_steps=4"]
     with profile(record_shapes=True) as prof:
-        summary = run(make_cfg(*common, "trainer.compile=true"), tmp_path / "compiled")
+        summary = run(
+            make_cfg(*common, "precision.cpu_kernels=fast", "trainer.compile=true"),
+            tmp_path / "compiled",
+        )
     assert summary["compiled_graphs"] >= 1
     seen = converted(prof, "bf16", compiled=True)
     assert seen and all(seen)
