@@ -104,6 +104,31 @@ def test_a_resumed_run_continues_the_hysteresis_count(tmp_path):
     assert scales(tmp_path / "resumed") == scales(tmp_path / "straight") == [S, S, S, S / 2, S / 4]
 
 
+def test_a_resumed_run_takes_the_scaler_settings_from_the_config_and_the_scale_from_the_checkpoint(
+    tmp_path,
+):
+    """fp16 health's advice is taken by resuming with the new setting: three clean steps at
+    growth_interval=100 (no growth), then resumed at growth_interval=2. The scale carries (1024);
+    the count of 3 clean steps is past the new interval, so the next clean step grows it, and
+    the new checkpoint holds the config's settings (the checkpoint's interval would never grow)."""
+    common = [*RUN, "precision=fp16", "precision.grad_scaler.init_scale=1024"]
+    first = ["precision.grad_scaler.growth_interval=100", "trainer.max_steps=3"]
+    run(make_cfg(*common, *first), tmp_path)
+    assert load_last(tmp_path)["scaler"]["_growth_tracker"] == 3
+    changed = [
+        "precision.grad_scaler.growth_interval=2",
+        "precision.grad_scaler.growth_factor=4",
+        "precision.grad_scaler.backoff_factor=0.25",
+    ]
+    run(make_cfg(*common, *changed, "trainer.max_steps=6", "trainer.resume=auto"), tmp_path)
+    # step 4 grows it (a count at the interval's end), step 6 too (two clean steps later)
+    assert scales(tmp_path) == [1024.0] * 4 + [4096.0, 4096.0]
+    state = load_last(tmp_path)["scaler"]
+    settings = (state["growth_interval"], state["growth_factor"], state["backoff_factor"])
+    assert settings == (2, 4.0, 0.25)
+    assert state["scale"] == 4 * 4096.0 and state["_growth_tracker"] == 0
+
+
 def test_a_scale_collapsed_to_its_floor_stops_the_run_with_one_line_and_loses_nothing(tmp_path):
     """min_scale=3S/8: the second overflow backs the scale off to the floor (not to S/4), the
     third comes at it. The command stops with one line and exit 1; summary.json says why; the

@@ -98,14 +98,24 @@ class LossScaler:
         return self.grad_scaler.state_dict() | {"tolerated": int(self._tolerated)}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's scaler, within this run's floor, cap and hysteresis (which may differ
-        from the run that wrote it)."""
+        """A checkpoint's scale, growth count and tolerated overflows, under this run's settings
+        (precision.grad_scaler, which may differ from the run that wrote it: a resume is how
+        fp16 health's advice is taken): its growth factor, backoff factor and interval, and the
+        scale within its floor and cap, the count within its interval and hysteresis."""
         if not (self.grad_scaler and state):
             return
-        floor, cap = self.cfg.min_scale, self.cfg.max_scale
-        scale = min(max(state["scale"], floor or 0.0), cap or float("inf"))
-        self.grad_scaler.load_state_dict(state | {"scale": scale})
-        full = self.cfg.hysteresis - 1
+        cfg = self.cfg
+        scale = min(max(state["scale"], cfg.min_scale or 0.0), cfg.max_scale or float("inf"))
+        settings = {
+            "growth_factor": cfg.growth_factor,
+            "backoff_factor": cfg.backoff_factor,
+            "growth_interval": cfg.growth_interval,
+            # GradScaler grows when the count reaches the interval, not past it: a count at a
+            # shorter interval's end grows on the next clean step
+            "_growth_tracker": min(state["_growth_tracker"], cfg.growth_interval - 1),
+        }
+        self.grad_scaler.load_state_dict(state | settings | {"scale": scale})
+        full = cfg.hysteresis - 1
         self._tolerated.fill_(min(state.get("tolerated", full), full))
 
 
