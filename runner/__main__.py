@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from runner import console
 from runner.compare import CompareCallback
 from runner.config.commandline import informational, is_multirun, sweep_keys, with_seeds
 from runner.config.preflight import preflight
@@ -39,6 +40,7 @@ def job(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     args = sys.argv[1:]
+    console.quiet_torchao()  # checking the command line imports the tasks, and so torchao
     try:
         args = sys.argv[1:] = with_seeds(args)  # runner.seeds=N: a seed sweep Hydra runs
         preflight(args)

@@ -60,11 +60,55 @@ def summary_table(summary: dict) -> None:
     Console().print(table)
 
 
-def _not_a_missing_library(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Failed to load")
+class _LoaderNoise(logging.Filter):
+    """torchao's import noise, which transformers and peft trigger by themselves wherever torchao
+    is installed: "Failed to load .../torchao/_C_*.so" for each kernel library this machine
+    cannot load, and torch's pytree warning for each torchao Enum it registers. Kept off the
+    console and written to the run's log file (Hydra's <job>.log), where a bug report finds it:
+    held until a run has one. Every other record of these loggers passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    @staticmethod
+    def is_noise(record: logging.LogRecord) -> bool:
+        if record.name == "torchao":
+            message = record.getMessage()
+            return message.startswith("Failed to load ") and "torchao/_C" in message
+        if record.name == "torch.utils._pytree" and "is an Enum subclass" in str(record.msg):
+            enum = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            return getattr(enum, "__module__", "").startswith("torchao")
+        return False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.is_noise(record):
+            return True
+        if not self.write_to_log_files([record]):
+            self.held.append(record)
+        return False
+
+    def write_to_log_files(self, records: list[logging.LogRecord]) -> bool:
+        """False where there is no log file yet (Hydra's job logging writes <job>.log)."""
+        files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        for handler in files:
+            for record in records:
+                handler.handle(record)
+        return bool(files)
+
+
+_loader_noise = _LoaderNoise()
 
 
 def quiet_torchao() -> None:
-    """torchao logs "Failed to load ..._C_*.so" for each CUDA kernel library a CPU cannot load:
-    those lines are dropped, its other messages kept (fp8 and the torchao optimizers use it)."""
-    logging.getLogger("torchao").addFilter(_not_a_missing_library)
+    """Keeps torchao's loader noise off the console (`_LoaderNoise`). Called before anything
+    imports torchao (the entry point, `run`, the modules that import it themselves)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if _loader_noise not in logger.filters:
+            logger.addFilter(_loader_noise)
+
+
+def log_loader_noise() -> None:
+    """The noise held so far into this run's log file (in a sweep: each job's)."""
+    _loader_noise.write_to_log_files(_loader_noise.held)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,10 @@ import torch
 from tests.helpers import TINY_BERT, TINY_MLP, cli, read_metrics
 
 pytestmark = pytest.mark.slow
+
+# What other code writes to stderr: torch's logging (W1201 20:59:23.167000 ... file.py:630]),
+# Python's warnings (file.py:12: UserWarning: ...), tracebacks, a library's own bare log lines.
+FOREIGN = re.compile(r"^[IWEF]\d{4} \d\d:|\w+Warning: |Traceback|site-packages|^Failed to load")
 
 
 def test_main_command_writes_every_run_output(tmp_path):
@@ -29,6 +34,22 @@ def test_main_command_writes_every_run_output(tmp_path):
     assert state["step"] == 6 and state["scaler"] is None
     assert (out / ".hydra" / "config.yaml").exists()
     assert "precision=bf16" in (out / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_stderr_holds_only_the_projects_lines(tmp_path):
+    """torchao's loader noise (transformers imports it) goes to the run's log file, not the
+    console: a run writes only the project's lines, a refused one its one error line."""
+    out = tmp_path / "run"
+    good = cli(
+        *TINY_BERT, "logger=wandb", "trainer.max_steps=2", f"hydra.run.dir={out}", cwd=tmp_path
+    )
+    assert good.returncode == 0, good.stderr
+    assert [line for line in good.stderr.splitlines() if FOREIGN.search(line)] == []
+    assert good.stderr.startswith("precision: fp32")
+    bad = cli(*TINY_BERT, "++model.hidden_sise=32", cwd=tmp_path)  # refused after the import
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [bad.stderr.strip()]
+    assert bad.stderr.startswith("error: model.hidden_sise is not a key")
 
 
 def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
