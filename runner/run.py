@@ -54,6 +54,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     ranks = distributed.init()
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
+    console.log_loader_noise()  # torchao's import noise, kept off the console, into <job>.log
     record = out / "metrics.jsonl"
     if not cfg.trainer.resume and record.exists() and record.stat().st_size:
         # A fresh start would empty it, and a failed build would leave nothing in its place.
