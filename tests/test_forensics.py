@@ -20,13 +20,15 @@ POISONED_STEP = 3
 
 
 class PoisonedBlobs(Blobs):
-    """Blobs whose `offset`-th sample of the global batch of step `POISONED_STEP` is NaN: that
-    step's loss is non-finite whatever the weights, and the steps around it are healthy."""
+    """Blobs whose `offset`-th sample of the global batch of `step` (`POISONED_STEP`) is NaN:
+    that step's loss is non-finite whatever the weights, and the steps around it are healthy."""
 
-    def __init__(self, *args, global_batch: int, offset: int = 0, **kwargs):
+    def __init__(
+        self, *args, global_batch: int, offset: int = 0, step: int = POISONED_STEP, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         order = np.random.default_rng([self.seed, 0]).permutation(self.split_size("train"))
-        self.poisoned = int(order[(POISONED_STEP - 1) * global_batch + offset])
+        self.poisoned = int(order[(step - 1) * global_batch + offset])
 
     def collate(self, split, keys):
         batch = super().collate(split, keys)
@@ -72,6 +74,20 @@ def test_the_replay_runs_on_the_weights_of_the_step_that_failed(tmp_path, monkey
     before = load_last(tmp_path / "before")["model"]
     for name, tensor in before.items():
         assert torch.equal(seen["weights"][name], tensor), name
+
+
+def test_a_resumed_run_keeps_the_report_of_its_first_non_finite_step(tmp_path):
+    """Poisoned at step 3, checkpointed at 4; resumed with step 6 poisoned: nonfinite.json still
+    describes step 3 (the run's first), and step 6 is skipped without replacing it."""
+    overrides = _poisoned(batch=8, global_batch=8)
+    run(make_cfg(*overrides, "trainer.max_steps=4"), tmp_path)
+    first = (tmp_path / "nonfinite.json").read_text()
+    assert json.loads(first)["step"] == POISONED_STEP
+    resumed = [*overrides, "+dataset.step=6", "trainer.max_steps=7", "trainer.resume=auto"]
+    summary = run(make_cfg(*resumed), tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path) if r["skipped"]] == [POISONED_STEP, 6]
+    assert summary["skipped_steps"] == 2
+    assert (tmp_path / "nonfinite.json").read_text() == first
 
 
 def test_a_gradient_overflow_names_the_first_module_in_backward_order(tmp_path):

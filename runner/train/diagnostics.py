@@ -4,6 +4,7 @@ inf/NaN first appeared, which gradients overflowed, and what to try."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 
@@ -182,6 +183,22 @@ class Forensics:
         self.task, self.model, self.precision, self.dist = task, model, precision, dist
         self.path = out_dir / "nonfinite.json"
         self.report: dict | None = None
+
+    def resumed(self, skipped_steps: int) -> None:
+        """A run resumed from a checkpoint that counts skipped steps had its first non-finite
+        step before it: that step's report stays the run's (nonfinite.json, read back), and no
+        later one replaces it. The checkpoint decides, so every rank agrees (the replay is
+        collective); a rank that cannot read the file keeps a report that says so."""
+        if not skipped_steps:
+            return
+        try:
+            self.report = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.report = {
+                "step": None,
+                "hint": "the run's first non-finite step came before the checkpoint it resumed "
+                f"from, and its report ({self.path}) cannot be read",
+            }
 
     def replay(self, pending, params, to_device) -> dict:
         """The skipped step again, with hooks on every layer, on the weights it saw: the caller

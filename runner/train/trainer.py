@@ -97,7 +97,8 @@ class Trainer:
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
                 probe = functools.partial(self._gradient_health, window)
-                with self.meter.audited(probe, self.precision.counting):
+                audit = (probe, self.precision.counting, self.precision.mode, self.step + 1)
+                with self.meter.audited(*audit):
                     stepped = self.train_step(window)
                 if stepped is not None:
                     self.step += 1
@@ -222,6 +223,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Everything a checkpoint holds, so the run continues bit for bit."""
         self.checkpointer.restore(self, state)
+        self.forensics.resumed(self.skipped_steps)  # a first non-finite step's report stays
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What a checkpoint must not hold non-finite: the trainable weights and the buffers
