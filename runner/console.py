@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -47,17 +49,155 @@ class ProgressBar:
             self.progress.update(self.task, completed=step, stats=stats)
 
 
-def summary_table(summary: dict) -> None:
-    table = Table(title="amp-runner summary", show_header=False, title_justify="left")
+def _mb(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _summary_rows(s: dict) -> list[tuple[str, str]]:
+    """The lines a person reads first, each only where the run measured it."""
+    rows = []
+    status = [s.get("status", "?")]
+    if _known(s.get("steps")):
+        skipped = s.get("skipped_steps")
+        status.append(f"{s['steps']} steps" + (f" ({skipped} skipped)" if skipped else ""))
+    if _known(s.get("wall_time_s")):
+        status.append(f"{s['wall_time_s']:.1f} s")
+    rows.append(("status", " · ".join(status)))
+    loss = [f"final {s['final_loss']:.4f}"] if _known(s.get("final_loss")) else []
+    if _known(s.get("eval_loss")):
+        best = s.get("best_eval_loss")
+        same = not _known(best) or f"{best:.4f}" == f"{s['eval_loss']:.4f}"
+        loss.append(f"eval {s['eval_loss']:.4f}" + ("" if same else f" (best {best:.4f})"))
+    for key, value in s.items():  # the task's own metrics: eval_accuracy, ...
+        if key.startswith("eval_") and key != "eval_loss" and isinstance(value, float):
+            loss.append(f"{key.removeprefix('eval_')} {value:.4g}")
+    if loss:
+        rows.append(("loss", " · ".join(loss)))
+    if _known(s.get("samples_per_s")):
+        iqr = s.get("samples_per_s_iqr")
+        speed = [
+            f"{s['samples_per_s']:.1f} samples/s" + (f" (IQR {iqr:.1f})" if _known(iqr) else "")
+        ]
+        if _known(s.get("tokens_per_s")):
+            speed.append(f"{s['tokens_per_s']:,.0f} tokens/s")
+        if _known(s.get("step_time_s")):
+            speed.append(f"step {s['step_time_s'] * 1000:.1f} ms")
+        rows.append(("speed", " · ".join(speed)))
+    elif s.get("speed_note"):
+        rows.append(("speed", "untested"))
+    if _known(s.get("mfu")):
+        peak = (
+            f" of {s['peak_tflops']:.3g} TFLOPS ({s.get('peak_mode')} peak)"
+            if _known(s.get("peak_tflops"))
+            else ""
+        )
+        rows.append(("MFU", f"{s['mfu']:.2%}{peak}"))
+    if s.get("precision"):
+        requested = s.get("precision_requested")
+        asked = f" (asked: {requested})" if requested and requested != s["precision"] else ""
+        reason = f" — {s['precision_reason']}" if s.get("precision_reason") else ""
+        rows.append(("precision", f"{s['precision']}{asked}{reason}"))
+    truth = s.get("precision_truth")
+    if isinstance(truth, dict):
+        wrong = len(truth.get("mismatches") or [])
+        rows.append(("precision truth", f"{wrong} mismatches" if wrong else "as planned"))
+    if "plan_held" in s:
+        rows.append(("plan held", "yes" if s["plan_held"] else "no"))
+    health = s.get("fp16_health")
+    if isinstance(health, dict) and health.get("recommendation"):
+        rows.append(
+            (
+                "fp16 health",
+                "ok" if health["recommendation"].startswith("ok") else "needs a change (below)",
+            )
+        )
+    if _known(s.get("peak_memory_mb")):
+        rows.append(("peak memory", f"{_mb(s['peak_memory_mb'])} MB"))
+    return rows
+
+
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+
+
+def _memory_table(memory) -> Table | None:
+    """summary.json's `memory` (runner/measure/memory.py): MB by category, with their dtypes."""
+    if not isinstance(memory, dict):
+        return None
+    table = Table(title="memory by category", title_justify="left", box=None, padding=(0, 2, 0, 0))
+    for name, justify in (("", "left"), ("MB", "right"), ("dtypes", "left")):
+        table.add_column(name, justify=justify, style="bold" if not name else None)
+    for category, part in memory.items():
+        if isinstance(part, dict) and _known(part.get("mb")) and part["mb"] > 0:
+            by_dtype = part.get("by_dtype") or {}
+            dtypes = ", ".join(  # each dtype's MB where there are several
+                _DTYPES.get(d, d) + (f" {_mb(mb)}" if len(by_dtype) > 1 else "")
+                for d, mb in by_dtype.items()
+            )
+            table.add_row(category, _mb(part["mb"]), dtypes)
+    for key in ("total", "peak"):
+        if _known(memory.get(key)):
+            table.add_row(key, _mb(memory[key]), "")
+    return table if table.rows else None
+
+
+def _next_steps(s: dict, path: Path | None) -> list[str]:
+    """What to look at next: what the run found wrong, then where the rest is."""
+    steps = []
+    health = s.get("fp16_health")
+    if isinstance(health, dict) and not str(health.get("recommendation", "ok")).startswith("ok"):
+        steps.append(f"fp16 health: {health['recommendation']}")
+    manifest = s.get("precision_manifest")
+    mismatches = manifest.get("mismatches") if isinstance(manifest, dict) else None
+    if s.get("plan_held") is False:
+        steps.append(
+            "the precision plan did not hold" + (f": {mismatches[0]}" if mismatches else "")
+        )
+    truth = s.get("precision_truth")
+    if isinstance(truth, dict) and truth.get("mismatches"):
+        steps.append(f"precision truth: {truth['mismatches'][0]} (the table at the run's start)")
+    for key in ("speed_note", "peak_note"):
+        if s.get(key):
+            steps.append(s[key])
+    where = f"{path}" if path else "summary.json"
+    steps.append(f"every figure: {where} (runner.summary=full prints them all)")
+    return steps
+
+
+def _flat(summary: dict, prefix: str = "") -> list[tuple[str, str]]:
+    rows = []
+    for key, value in summary.items():
+        if type(value) is dict and value:  # a Truth prints as its one line
+            rows += _flat(value, f"{prefix}{key}.")
+        else:
+            rows.append(
+                (f"{prefix}{key}", f"{value:.4g}" if isinstance(value, float) else str(value))
+            )
+    return rows
+
+
+def summary_table(summary: dict, detail: str = "short", path: Path | None = None) -> None:
+    """The end of a run on stdout: the figures a person came for (detail=short), or every key of
+    summary.json, nested ones by their dotted path (detail=full: runner.summary=full)."""
+    out = Console()
+    table = Table(title="amp-runner summary", show_header=False, title_justify="left", box=None)
     table.add_column(style="bold")
     table.add_column()
-    for key, value in summary.items():
-        if key == "eval_precisions":  # a table of its own (runner/answers/inference.py)
-            continue
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        table.add_row(key, str(value))
-    Console().print(table)
+    if detail == "full":
+        for key, value in _flat({k: v for k, v in summary.items() if k != "eval_precisions"}):
+            table.add_row(key, value)  # eval_precisions: a table of its own (answers/inference.py)
+        out.print(table)
+        return
+    for key, value in _summary_rows(summary):
+        table.add_row(key, value)
+    out.print(table)
+    if memory := _memory_table(summary.get("memory")):
+        out.print(memory)
+    for step in _next_steps(summary, path):
+        out.print(f"next: {step}", highlight=False, soft_wrap=True)
 
 
 class _LoaderNoise(logging.Filter):

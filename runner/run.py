@@ -72,7 +72,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
                 f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
             )
             if ranks.main:
-                console.summary_table(done)
+                console.summary_table(done, cfg.runner.summary, out / "summary.json")
             return done
     log = RunLog(
         out,
@@ -199,5 +199,5 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             precision.close()
     log.finish(summary)
     if ranks.main:
-        console.summary_table(summary)
+        console.summary_table(summary, cfg.runner.summary, out / "summary.json")
     return summary

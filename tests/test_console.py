@@ -25,3 +25,55 @@ def test_only_torchao_loader_noise_is_held_back(caplog):
         "Skipping import of cpp extensi",
         "<enum 'Mine'> is an Enum subcl",
     ]
+
+
+SUMMARY = {
+    "status": "completed",
+    "precision": "bf16",
+    "precision_requested": "auto",
+    "precision_reason": "the CPU has AVX512_BF16",
+    "fp32_head": None,
+    "precision_truth": {"rows": [{}], "mismatches": []},
+    "steps": 30,
+    "final_loss": 2.5,
+    "eval_loss": 2.25,
+    "best_eval_loss": 2.125,
+    "eval_accuracy": 0.5,
+    "samples_per_s": 1000.0,
+    "samples_per_s_iqr": 50.0,
+    "peak_reserved_mb": None,
+    "mfu": None,
+    "wall_time_s": 12.0,
+    "memory": {
+        "params": {"mb": 4.0, "by_dtype": {"float32": 4.0}},
+        "masters": {"mb": 0.0, "by_dtype": {}},
+        "activations": {"mb": 120.0, "by_dtype": {"bfloat16": 100.0, "float32": 20.0}},
+        "total": 124.0,
+        "peak": None,
+    },
+    "fp16_health": {"recommendation": "raise precision.grad_scaler.init_scale to 1e6: ..."},
+    "plan_held": False,
+    "precision_manifest": {"mismatches": ["Linear forward: computed in fp32, planned bf16"]},
+}
+
+
+def test_the_short_summary_is_what_a_person_reads_first(capsys):
+    console.summary_table(SUMMARY, "short")
+    printed = capsys.readouterr().out
+    lines = [line.rstrip() for line in printed.splitlines()]
+    assert "None" not in printed and "{" not in printed and len(lines) < 20
+    assert " status           completed · 30 steps · 12.0 s" in lines
+    assert " loss             final 2.5000 · eval 2.2500 (best 2.1250) · accuracy 0.5" in lines
+    assert " speed            1000.0 samples/s (IQR 50.0)" in lines
+    assert " plan held        no" in lines and " precision truth  as planned" in lines
+    assert "activations  120  bf16 100, fp32 20" in lines  # memory: a table of its own
+    assert "masters" not in printed  # nothing held there
+    assert "next: the precision plan did not hold: Linear forward: computed in fp32" in printed
+    assert "next: fp16 health: raise precision.grad_scaler.init_scale to 1e6" in printed
+
+
+def test_summary_full_prints_every_key(capsys):
+    console.summary_table(SUMMARY, "full")
+    printed = capsys.readouterr().out
+    for key in ("fp32_head", "peak_reserved_mb", "memory.activations.by_dtype.bfloat16"):
+        assert key in printed

@@ -70,6 +70,7 @@ def eight_features() -> TensorDataset:
         ([*BERT, "model.num_hidden_layers=-1"], "model.num_hidden_layers=-1 is invalid"),
         ([*MLP, "model.hidden_size=0"], "model.hidden_size=0 is invalid: must be an integer ≥ 1"),
         ([*MLP, "model.num_layers=-1"], "model.num_layers=-1 is invalid: must be an integer ≥ 1"),
+        ([*MLP, "runner.summary=long"], "runner.summary='long' is invalid: short or full"),
         # keys that nothing would read, however they were added
         ([*MLP, "++trainer.max_stepz=5"], "trainer.max_stepz=5 is invalid: trainer has no key"),
         ([*MLP, "++precision.grad_scaler.patience=3"], "grad_scaler has no key 'patience'"),

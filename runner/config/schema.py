@@ -86,6 +86,9 @@ class Fp8Config:
     min_features: int = 0  # a Linear with a dimension below this stays bf16
     all_gather: bool = False  # FSDP2: gather converted weights in fp8
     keep_bf16: KeepBf16Config = field(default_factory=KeepBf16Config)  # fp8 and mxfp8
+    # A fine-tune's adapters (model.peft: LoRA's A and B) converted too; by default they stay in
+    # autocast's bf16 (small GEMMs, and the only weights that train)
+    convert_adapters: bool = False
 
 
 @dataclass
@@ -192,6 +195,9 @@ class RunnerConfig:
     # GB (2**30 bytes), or a GPU's name in GPU_MEMORY_GB (its memory less MEMORY_MARGIN); null:
     # the CUDA device's memory less MEMORY_MARGIN. On a CPU it must be given.
     memory_budget_gb: Any = None
+    # The table at the end of a run: short (what a person reads first; runner/console.py) or
+    # full (every key of summary.json). summary.json holds everything either way.
+    summary: str = "short"
 
 
 @dataclass

@@ -249,6 +249,7 @@ def validate(cfg: DictConfig) -> None:
     ):
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
+    require(r.summary in ("short", "full"), "runner.summary", r.summary, "short or full")
     asked = list(r.eval_precisions)
     bad = [name for name in asked if name not in EVAL_PRECISIONS]
     require(not bad, "runner.eval_precisions", asked, "allowed: " + ", ".join(EVAL_PRECISIONS))
