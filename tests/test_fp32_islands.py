@@ -11,7 +11,7 @@ from runner.errors import UserError
 from runner.precision import Precision
 from runner.run import build, run
 from tasks.ops import fp32_softplus
-from tests.helpers import TINY_MLP, make_cfg
+from tests.helpers import TINY_BERT, TINY_MLP, make_cfg
 
 
 def _output_dtypes(task, precision, batch) -> dict[str, torch.dtype]:
@@ -47,9 +47,43 @@ def test_named_modules_run_in_fp32_and_the_rest_stays_autocast(mode, low):
         precision.close()
 
 
-def test_an_unknown_module_name_is_one_clear_error(tmp_path):
-    with pytest.raises(UserError, match=r"precision.fp32_modules: the model has no module 'net.9'"):
-        run(make_cfg(*TINY_MLP, "precision=bf16", "precision.fp32_modules=[net.9]"), tmp_path)
+def test_an_fnmatch_pattern_makes_every_module_it_matches_an_island():
+    """`*` spans dots, as in precision.norm_modules: the pattern matches both layers' FFN output
+    and attention output projections. Read off the forward itself: their outputs are fp32 under
+    bf16 autocast, the other Linears' bf16."""
+    data, task = build(make_cfg(*TINY_BERT, "model.num_hidden_layers=2"))
+    batch = next(iter(data.train_loader()))
+    precision = Precision(PrecisionConfig(mode="bf16"), torch.device("cpu"))
+    seen = {}
+    for name, module in task.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(
+                lambda m, a, out, name=name: seen.update({name: out.dtype})
+            )
+    try:
+        precision.prepare(task, ["*.encoder.layer.*.output.dense"])
+        with precision.autocast():
+            task(batch)
+    finally:
+        precision.close()
+    fp32 = {n for n, dtype in seen.items() if dtype == torch.float32}
+    assert fp32 == {
+        f"model.bert.encoder.layer.{i}.{part}output.dense"
+        for i in (0, 1)
+        for part in ("", "attention.")
+    }
+    assert len(seen) > len(fp32) and all(
+        d == torch.bfloat16 for n, d in seen.items() if n not in fp32
+    )
+
+
+@pytest.mark.parametrize("pattern", ["net.9", "net.*.dense"])
+def test_a_name_or_pattern_that_matches_no_module_is_one_clear_error(tmp_path, pattern):
+    overrides = ["precision=bf16", f"precision.fp32_modules=[{pattern}]"]
+    with pytest.raises(UserError) as e:
+        run(make_cfg(*TINY_MLP, *overrides), tmp_path)
+    assert str(e.value).startswith(f"precision.fp32_modules: '{pattern}' matches no module")
+    assert "net.0" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_runs_with_islands_train(tmp_path):

@@ -215,7 +215,7 @@ def validate(cfg: DictConfig) -> None:
         islands == "auto" or isinstance(islands, ListConfig),
         "precision.fp32_modules",
         islands,
-        "a list of module names ([name, ...]) or auto (searched before training)",
+        "a list of module names or fnmatch patterns ([name, ...]), or auto (searched first)",
     )
     for pattern in [] if islands == "auto" else islands:
         require(

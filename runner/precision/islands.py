@@ -1,6 +1,6 @@
-"""fp32 islands (`precision.fp32_modules`): named submodules whose forward runs with autocast off
-and its floating inputs cast to fp32, in every mode, so a staged run, compile, DDP, FSDP and
-fp16_master all keep them fp32.
+"""fp32 islands (`precision.fp32_modules`): submodules, by name or fnmatch pattern, whose forward
+runs with autocast off and its floating inputs cast to fp32, in every mode, so a staged run,
+compile, DDP, FSDP and fp16_master all keep them fp32.
 
 The island is a layer around the forward (runner/precision/layers.py) rather than a pair of
 forward hooks: one `with` block that Dynamo traces, and that closes behind itself even when the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -27,17 +28,22 @@ def _island(device_type: str, _module: torch.nn.Module, forward, *args, **kwargs
         return forward(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
 
 
-def find(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
-    """The named submodules, or one clear error naming what the model does have."""
-    modules = dict(model.named_modules())
-    for name in names:
-        if name not in modules:
-            known = ", ".join(n for n in list(modules)[1:6])
+def find(model: torch.nn.Module, patterns: Sequence[str]) -> list[torch.nn.Module]:
+    """The submodules whose names (as in `named_modules()`) the names or fnmatch patterns match,
+    as precision.norm_modules matches names (`*` spans dots: `*.output.dense`), each once; a
+    pattern that matches none is one clear error naming it and what the model does have."""
+    named = list(model.named_modules())[1:]
+    found: dict[int, torch.nn.Module] = {}
+    for pattern in patterns:
+        matched = {id(m): m for name, m in named if fnmatchcase(name, pattern)}
+        if not matched:
+            known = ", ".join(n for n, _ in named[:5])
             raise UserError(
-                f"precision.fp32_modules: the model has no module {name!r} "
-                f"(names look like: {known}, ...)"
+                f"precision.fp32_modules: {pattern!r} matches no module of the model "
+                f"(names look like: {known}, ...; fnmatch patterns such as '*.output.dense')"
             )
-    return [modules[name] for name in names]
+        found |= matched
+    return list(found.values())
 
 
 def output_head(model: torch.nn.Module) -> str:
