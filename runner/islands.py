@@ -29,15 +29,20 @@ def markdown(result: dict) -> str:
             lines.append(f"| replay of step {t['step']} | {islands} | {outcome} | | |")
             continue
         skipped = f"{t['skipped_steps']} of {t['steps']} steps skipped"
-        outcome = (
-            f"trains ({skipped})"
-            if t["trains"]
-            else f"stops at step {t['steps']} ({skipped})"
-            if "stopped" in t
-            else f"ends non-finite ({skipped})"
-        )
+        if t["calibration_steps"]:
+            skipped += f", {t['calibration_steps']} while the loss scale calibrated"
+        run = f"{t['precision']} run ({t['folder']})"
+        if t["kind"] == "rerun":
+            run = f"{t['precision']} run to step {t['for_step']} ({t['folder']})"
+            outcome = f"the weights step {t['for_step']} saw"
+        elif t["trains"]:
+            outcome = f"trains ({skipped})"
+        elif "stopped" in t:
+            outcome = f"stops at step {t['steps']} ({skipped})"
+        else:
+            outcome = f"{t.get('fault', 'ends non-finite')} ({skipped})"
         lines.append(
-            f"| {t['precision']} run ({t['folder']}) | {islands} | {outcome} | {t['final_loss']:.4g} "
+            f"| {run} | {islands} | {outcome} | {t['final_loss']:.4g} "
             f"| {island_search.percent(t['fp32_flop_share'])} |"
         )
     return "\n".join([*lines, "", result["verdict"]])

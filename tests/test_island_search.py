@@ -1,10 +1,13 @@
 """The fp32 islands search (runner/answers/islands.py): a net with one layer whose
 activations pass fp16's 65504 trains in fp16 once that layer is found and kept in fp32; a net
-that overflows in more layers than `runner.islands_max` gets "no small set: use bf16"."""
+that overflows in more layers than `runner.islands_max` gets "no small set: use bf16"; a run
+that ends finite but overflows on the way, or skips steps once its loss scale settled, does not
+train (as fp32 does) yet."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from runner.answers.islands import search
+from runner.answers.islands import calibration, loss_fault, range_fault, search
 from runner.compare import compare, interleave
 from runner.config.validation import validate
 from runner.errors import UserError
@@ -49,7 +52,27 @@ class Loud(nn.Module):
         return self.head(self.blocks(self.inp(x)))
 
 
+class Spiky(nn.Linear):
+    """Amplify only on a batch holding an |x| > 3 (step 6 of the 8 on tests/test_own_model.py's
+    pairs): a run skips that step and ends finite."""
+
+    def forward(self, x):
+        return super().forward(x) * (1e5 if x.abs().max() > 3 else 1.0)
+
+
+class Sometimes(nn.Module):
+    def __init__(self, width: int = 16, features: int = 8, outputs: int = 3):
+        super().__init__()
+        self.inp = Spiky(features, width)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x):
+        return self.head(self.norm(self.inp(x)))
+
+
 LOUD = "tests.test_island_search.Loud"
+SOMETIMES = "tests.test_island_search.Sometimes"
 # Short trials: 8 steps; a run stops after 3 non-finite steps in a row.
 SHORT = ["runner.islands_steps=8", "trainer.max_steps=8", "trainer.max_consecutive_nonfinite=3"]
 
@@ -85,6 +108,55 @@ def test_the_layer_that_overflows_fp16_is_found_and_the_net_trains_with_it_in_fp
     assert result["fp32_final_loss"] == pytest.approx(reference[-1]["loss"], rel=1e-6)
     # The island's cost: its share of the step's FLOPs, which ran in fp32.
     assert result["fp32_flop_share"] == pytest.approx(amplify_flop_share())
+
+
+def test_a_run_that_overflows_on_the_way_but_ends_finite_gets_its_island(tmp_path):
+    """Ending finite is not training: the NaN loss of step 6 is replayed (on the weights a run to
+    step 6 holds) and its module kept in fp32; then fp16 trains as fp32 does."""
+    result = search(make_cfg(*module_run(SOMETIMES, "precision=fp16", *SHORT)), tmp_path)
+    assert result["found"] and result["fp32_modules"] == ["net.inp"]
+    first, rerun, replay, confirmed, fp32 = result["trials"]
+    assert first["skipped_steps"] == 1 and math.isfinite(first["final_loss"])
+    assert not first["trains"] and first["fault"] == "non-finite loss at step 6"
+    assert rerun["kind"] == "rerun" and rerun["steps"] == 6 and rerun["for_step"] == 6
+    assert replay["step"] == 6 and replay["finite"]
+    assert confirmed["trains"] and confirmed["skipped_steps"] == 0
+    assert result["final_loss"] == pytest.approx(result["fp32_final_loss"], rel=1e-2)
+
+
+def _rows(*steps: tuple[bool, float, float]) -> list[dict]:
+    return [
+        {"step": i, "skipped": s, "loss": loss, "loss_scale": scale}
+        for i, (s, loss, scale) in enumerate(steps, 1)
+    ]
+
+
+def test_trains_as_fp32_does_allows_the_first_calibration_alone():
+    """The scaler's first back-off is allowed; skipped steps once it settled (past 5%), a
+    non-finite loss anywhere, or a loss 5% off fp32's are not (BERT with initializer_range=10
+    and four islands ended finite: 5 of its 10 settled steps skipped)."""
+    nan = float("nan")
+    calibrating = [(True, 6.0, 65536.0), (True, 6.0, 32768.0), (True, 6.0, 16384.0)]
+    settled = [(False, 6.0, 8192.0)] * 20
+    assert calibration(_rows(*calibrating, *settled)) == 3
+    assert range_fault(_rows(*calibrating, *settled)) is None
+    assert range_fault(_rows(*calibrating, *settled[:19], (True, 6.0, 8192.0))) is None  # 1 of 20
+    two = _rows(*calibrating, *settled[:9], (True, 6.0, 8192.0), *settled[:9], (True, 6.0, 4096.0))
+    assert range_fault(two) == (
+        "2 of 20 steps skipped after the loss scale settled (from step 4)",
+        13,
+    )
+    assert range_fault(_rows(calibrating[0], (True, nan, 32768.0), *settled)) == (
+        "non-finite loss at step 2",
+        2,
+    )
+    # No scaler (bf16): a skipped step at scale 1 is no calibration.
+    assert calibration(_rows((True, 6.0, 1.0), (False, 6.0, 1.0))) == 0
+    fp32 = _rows(*[(False, 5.0, 1.0)] * 23)
+    assert loss_fault(_rows(*calibrating, *[(False, 5.2, 8192.0)] * 20), fp32) is None
+    assert loss_fault(_rows(*calibrating, *[(False, 5.3, 8192.0)] * 20), fp32) == (
+        "mean loss 5.3 against fp32's 5 over steps 4-23 (more than 5% apart)"
+    )
 
 
 def test_a_net_that_overflows_in_more_layers_than_islands_max_has_no_small_set(tmp_path):

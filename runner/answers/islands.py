@@ -3,13 +3,17 @@ small set of modules to keep in fp32 that makes a model train in the precision a
 word that no small set exists.
 
 A trial is a short run (the first `runner.islands_steps` optimizer steps of the configured run,
-on its LR schedule) in one process. Where it does not train (it stops on non-finite steps, or ends
-non-finite), the failing window is where its last stretch of skipped steps began: the trainer's
-forensics (nonfinite.json) name the first module whose output, or incoming gradient, became
-non-finite there; that module is kept in fp32 and the window replayed (runner/train/diagnostics.py)
-on the weights it saw, at the last loss scale the run reached, until it runs finite. A short run
-then confirms the set, and an fp32 run of the same steps gives the loss to compare against. At
-most `runner.islands_max` modules. Trials run eagerly, without evaluation or checkpoints.
+on its LR schedule) in one process. It trains as the fp32 baseline does (`fault`) when, after the
+scaler's first calibration (the skipped steps at the start while the loss scale backs off from
+init_scale), at most MAX_SKIPPED_SHARE of its steps are skipped, no loss is non-finite, and its
+mean loss over those steps is within LOSS_TOLERANCE of an fp32 run's over the same steps. Where it
+does not, the failing window is its first non-finite loss, else its first skipped step once the
+scale had settled: the trainer's forensics (nonfinite.json) name the first module whose output, or
+incoming gradient, became non-finite there; that module is kept in fp32 and the window replayed
+(runner/train/diagnostics.py) on the weights it saw, at the loss scale the run settled at, until
+it runs finite; then a run with the set is judged again. A trial whose fault is its loss alone has
+no window to replay: no small set. At most `runner.islands_max` modules. Trials run eagerly,
+without evaluation or checkpoints.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from runner.train.optim import build_optimizers
 from runner.train.trainer import Trainer
 
 RESULT_FILE = "islands.json"
+# What "trains as fp32 does" allows, after the scaler's first calibration: skipped steps (an
+# occasional overflow the scaler backs off from), and the relative gap of the mean loss.
+MAX_SKIPPED_SHARE = 0.05
+LOSS_TOLERANCE = 0.05
 
 
 def fp32_share(summary: dict) -> float | None:
@@ -44,6 +52,52 @@ def culprit(report: dict) -> str | None:
     """The module to keep in fp32 next: the first non-finite output in the forward pass, else the
     first non-finite incoming gradient in backward order."""
     return report["forward"]["first_nonfinite"] or report["backward"]["first_nonfinite"]
+
+
+def calibration(rows: list[dict]) -> int:
+    """How many steps the scaler's first calibration took: the skipped steps at the start, each
+    followed by a lower loss scale (0 without a scaler, whose scale stays 1)."""
+    n = 0
+    while n + 1 < len(rows) and rows[n]["skipped"]:
+        if rows[n + 1]["loss_scale"] >= rows[n]["loss_scale"]:
+            break
+        n += 1
+    return n
+
+
+def range_fault(rows: list[dict]) -> tuple[str, int] | None:
+    """Why `rows` (a trial's metrics) overflow, and the step to replay for it: the first
+    non-finite loss, else the first skipped step once the loss scale had settled where more than
+    MAX_SKIPPED_SHARE of those steps are skipped. None: they do not."""
+    for row in rows:
+        if not math.isfinite(row["loss"]):
+            return f"non-finite loss at step {row['step']}", row["step"]
+    settled = rows[calibration(rows) :]
+    skipped = [r["step"] for r in settled if r["skipped"]]
+    if len(skipped) > MAX_SKIPPED_SHARE * len(settled):
+        return (
+            f"{len(skipped)} of {len(settled)} steps skipped after the loss scale settled "
+            f"(from step {settled[0]['step']})",
+            skipped[0],
+        )
+    return None
+
+
+def loss_fault(rows: list[dict], reference: list[dict]) -> str | None:
+    """Why `rows`' loss is not fp32's (`reference`, the same run in fp32): their mean loss over
+    the steps after the scaler's first calibration more than LOSS_TOLERANCE apart. None: it is."""
+    settled = rows[calibration(rows) :]
+    steps = {r["step"] for r in settled}
+    theirs = [r["loss"] for r in reference if r["step"] in steps]
+    if not settled or len(theirs) != len(settled):
+        return None  # nothing to compare, or fp32 stopped early: range_fault's to judge
+    loss, fp32 = sum(r["loss"] for r in settled) / len(settled), sum(theirs) / len(theirs)
+    if abs(loss - fp32) <= LOSS_TOLERANCE * abs(fp32):
+        return None
+    return (
+        f"mean loss {loss:.4g} against fp32's {fp32:.4g} over steps {settled[0]['step']}-"
+        f"{settled[-1]['step']} (more than {LOSS_TOLERANCE:.0%} apart)"
+    )
 
 
 class Search:
@@ -64,6 +118,7 @@ class Search:
         seed_everything(cfg.seed)
         self.data, self.initial = build(cfg)
         self.trials: list[dict] = []
+        self._reference: tuple[dict, list[dict]] | None = None
 
     def _precision(self, task: torch.nn.Module, islands: list[str], **mode) -> Precision:
         precision = Precision(OmegaConf.merge(self.cfg.precision, mode), self.device)
@@ -74,10 +129,11 @@ class Search:
             raise
         return precision
 
-    def fit(self, islands: list[str], **mode) -> tuple[dict, Trainer]:
-        """A short run with `islands` kept in fp32 (in `mode`'s precision keys where given): its
-        summary, with `stopped` where it stopped itself, and its trainer (whose task holds the
-        weights of the last step applied)."""
+    def fit(self, islands: list[str], steps: int | None = None, **mode) -> tuple[dict, Trainer]:
+        """A short run with `islands` kept in fp32 (in `mode`'s precision keys where given; its
+        first `steps` steps where given): its summary, with `stopped` where it stopped itself,
+        and its trainer (whose task holds the weights of the last step applied). Recorded in
+        `trials` with `trains` where it ends finite (`attempt` judges it further)."""
         folder = self.out / f"trial-{len(self.trials)}"
         task = copy.deepcopy(self.initial).to(self.device)
         precision = self._precision(task, islands, **mode)
@@ -91,7 +147,7 @@ class Search:
             )
             short = OmegaConf.merge(
                 self.cfg.trainer,
-                {"max_steps": self.steps, "val_check_interval": 0, "progress_bar": False},
+                {"max_steps": steps or self.steps, "val_check_interval": 0, "progress_bar": False},
             )
             trainer = Trainer(
                 short, task, self.data, precision, optimizers, schedulers, log, self.device
@@ -106,7 +162,6 @@ class Search:
         finally:
             precision.close()
         loss = summary["final_loss"]
-        summary["trains"] = stopped is None and loss is not None and math.isfinite(loss)
         log.finish(summary)
         self.trials.append(
             {
@@ -114,15 +169,39 @@ class Search:
                 "folder": folder.name,
                 "precision": precision.name,
                 "fp32_modules": list(islands),
-                "trains": summary["trains"],
+                "trains": stopped is None and loss is not None and math.isfinite(loss),
                 "steps": summary["steps"],
                 "skipped_steps": summary["skipped_steps"],
+                "calibration_steps": calibration(trainer.meter.rows),
                 "final_loss": loss,
                 "fp32_flop_share": fp32_share(summary),
                 **({"stopped": stopped} if stopped else {}),
             }
         )
         return summary, trainer
+
+    def reference(self) -> tuple[dict, list[dict]]:
+        """The fp32 run of the same steps (run once): its summary and metrics."""
+        if self._reference is None:
+            summary, trainer = self.fit([], mode="fp32", stages=[])
+            self._reference = summary, trainer.meter.rows
+        return self._reference
+
+    def attempt(self, islands: list[str]) -> tuple[dict, Trainer, tuple[str, int | None] | None]:
+        """A run with `islands` in the precision asked for: its summary, its trainer, and why it
+        does not train as fp32 does with the step to replay for it (None: no step is at fault);
+        None where it does."""
+        summary, trainer = self.fit(islands)
+        record, rows = self.trials[-1], trainer.meter.rows
+        fault: tuple[str, int | None] | None = range_fault(rows)
+        if fault and "stopped" in summary:
+            fault = summary["stopped"], fault[1]
+        if fault is None and (why := loss_fault(rows, self.reference()[1])):
+            fault = why, None
+        record["trains"] = fault is None
+        if fault:
+            record["fault"] = fault[0]
+        return summary, trainer, fault
 
     def window(self, step: int) -> list[dict]:
         """The micro-batches of optimizer step `step` (the stream's batches are all full)."""
@@ -163,18 +242,21 @@ class Search:
         )
         return report
 
-    def grow(self, islands: list[str], trainer: Trainer) -> str | None:
-        """After a failed trial: modules added to `islands` until its failing window replays
-        finite. Returns why no small set exists, or None when the window now runs finite."""
-        rows = trainer.meter.rows  # the last is skipped: the run stopped, or ended, non-finite
-        step = rows[-1]["step"]
-        for row in reversed(rows[:-1]):
-            if not row["skipped"]:
-                break
-            step = row["step"]
-        # Skipped steps change no weight: the task holds those the failing step saw.
-        weights = {k: v.detach().clone() for k, v in trainer.task.state_dict().items()}
-        loss_scale = float(rows[-1]["loss_scale"])  # the lowest the scaler backed off to
+    def grow(self, islands: list[str], trainer: Trainer, step: int) -> str | None:
+        """After a trial that failed at `step`: modules added to `islands` until that window
+        replays finite. Returns why no small set exists, or None when the window now runs finite."""
+        rows = trainer.meter.rows
+        # The lowest scale the scaler settled at: the one the run trains on.
+        loss_scale = float(min(rows[step - 1]["loss_scale"], rows[calibration(rows)]["loss_scale"]))
+        # Skipped steps change no weight: those the failing step saw are the initial ones where
+        # no step was applied before it, the task's where none was after it, else a run to it's.
+        if all(r["skipped"] for r in rows[: step - 1]):
+            weights = self.initial.state_dict()
+        else:
+            if not all(r["skipped"] for r in rows[step - 1 :]):
+                _, trainer = self.fit(islands, steps=step)
+                self.trials[-1] |= {"kind": "rerun", "trains": False, "for_step": step}
+            weights = {k: v.detach().clone() for k, v in trainer.task.state_dict().items()}
         forensics = trainer.forensics.report
         if forensics and forensics["step"] == step:
             report = forensics  # nonfinite.json: the failing step, as the run replayed it
@@ -213,13 +295,17 @@ def search(cfg: DictConfig, out: Path) -> dict:
     s = Search(cfg, out)
     start = cfg.precision.fp32_modules
     islands = [] if start == "auto" else list(start)
-    summary, trainer = s.fit(islands)
+    summary, trainer, fault = s.attempt(islands)
     why = None
-    while not summary["trains"]:
-        console.say(f"islands: {summary.get('stopped', 'non-finite at the end')}; replaying")
-        if why := s.grow(islands, trainer):
+    while fault:
+        problem, step = fault
+        if step is None:
+            why = f"{problem}, with no step's range at fault"
             break
-        summary, trainer = s.fit(islands)
+        console.say(f"islands: {problem}; replaying step {step}")
+        if why := s.grow(islands, trainer, step):
+            break
+        summary, trainer, fault = s.attempt(islands)
     name = trainer.precision.name
     result = {
         "precision": name,
@@ -229,7 +315,7 @@ def search(cfg: DictConfig, out: Path) -> dict:
         "trials": s.trials,
     }
     if why is None:
-        reference, _ = s.fit([], mode="fp32", stages=[])
+        reference, _ = s.reference()
         share, loss, fp32_loss = fp32_share(summary), summary["final_loss"], reference["final_loss"]
         line = f"precision.fp32_modules=[{','.join(islands)}]"
         result |= {
