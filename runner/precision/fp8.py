@@ -23,11 +23,15 @@ from torch.utils.flop_counter import flop_registry
 from runner import console
 from runner.errors import UserError
 from runner.precision import layers
+from runner.precision.adapters import adapter_parameters
 from runner.precision.layers import recomputing
 from runner.task import Task
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
+ADAPTER = (
+    "a fine-tune's adapter (model.peft), left in autocast's dtype (precision.fp8.convert_adapters)"
+)
 
 
 def import_torchao(module: str, mode: str):
@@ -42,17 +46,65 @@ def import_torchao(module: str, mode: str):
         ) from None
 
 
-def _conv1d_to_linear(model: nn.Module) -> None:
-    """transformers' `Conv1D` (GPT-2's projections) replaced by the `nn.Linear` it computes."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ == "Conv1D" and child.weight.ndim == 2:
-                n_in, n_out = child.weight.shape
-                linear = nn.Linear(n_in, n_out, device=child.weight.device)
-                with torch.no_grad():
-                    linear.weight.copy_(child.weight.t())
-                    linear.bias.copy_(child.bias)
-                setattr(parent, name, linear)
+# What a module that replaces another takes over from it (besides its weights): the forward and
+# backward hooks torch keeps on it (the runner's own forward layers are carried by `layers`)
+HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2's projections): an nn.Linear with its weight stored (in, out)."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and weight is not None and weight.ndim == 2
+
+
+def _as_linear(conv: nn.Module) -> nn.Linear:
+    """The `nn.Linear` a `Conv1D` computes, for torchao to convert: its weight transposed (a new
+    parameter, as trainable as the Conv1D's), its bias the Conv1D's own. It saves and loads its
+    weight in the Conv1D's layout, so that checkpoints hold the model's own layout."""
+    n_in, n_out = conv.weight.shape
+    linear = nn.Linear(n_in, n_out, bias=conv.bias is not None, device="meta")
+    weight = conv.weight.detach().t().contiguous()
+    linear.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
+    linear.bias = conv.bias
+    return linear
+
+
+def _carry(old: nn.Module, new: nn.Module) -> None:
+    """`new` replaces `old` in the model: it takes the old one's mode, hooks and forward layers
+    (an fp32 island's, bf16_true's casts); a Conv1D's replacement, its saved layout."""
+    new.train(old.training)
+    for attr in HOOKS:
+        getattr(new, attr).update(getattr(old, attr))
+    new._is_full_backward_hook = old._is_full_backward_hook
+    for name, layer in old.__dict__.get("_forward_layers", {}).items():
+        layers.add(new, name, layer)
+    if _is_conv1d(old):
+        new.register_state_dict_post_hook(_saved_as_conv1d)
+        new.register_load_state_dict_pre_hook(_loaded_as_linear)
+        new._saved_as_conv1d = True
+
+
+def _saved_as_conv1d(_module, state_dict: dict, prefix: str, _metadata) -> None:
+    state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+
+
+def _loaded_as_linear(_module, state_dict: dict, prefix: str, *_) -> None:
+    if (key := prefix + "weight") in state_dict:
+        state_dict[key] = state_dict[key].t()
+
+
+def saved_transposed(model: nn.Module) -> set[nn.Parameter]:
+    """The weights the model saves transposed (those of the Linears that replaced a Conv1D): an
+    optimizer's state of them is saved and loaded transposed too (runner/train/checkpoint.py)."""
+    return {m.weight for m in model.modules() if m.__dict__.get("_saved_as_conv1d")}
 
 
 class Fp8Linears(abc.ABC):
@@ -67,6 +119,7 @@ class Fp8Linears(abc.ABC):
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
         self.min_features, self.all_gather = cfg.min_features, cfg.all_gather
         self.keep_bf16 = cfg.keep_bf16.first, cfg.keep_bf16.last
+        self.convert_adapters = cfg.convert_adapters
         self.skipped: dict[str, str] = {}
         self.active = False
         self._model: nn.Module | None = None
@@ -82,8 +135,13 @@ class Fp8Linears(abc.ABC):
         """A converted layer's low-precision forward on `x`, as the format's kernels take it."""
         return fp8_forward(x)
 
-    def _skip_reason(self, name: str, linear: nn.Linear, order: list[str]) -> str | None:
-        dims = (linear.in_features, linear.out_features)
+    def _skip_reason(self, name: str, linear: nn.Module, order: list[str]) -> str | None:
+        if _is_conv1d(linear):
+            dims = tuple(linear.weight.shape)
+        elif type(linear) is nn.Linear:
+            dims = linear.in_features, linear.out_features
+        else:
+            return f"a {type(linear).__name__}, not a plain nn.Linear"
         if any(d % self.alignment for d in dims):
             return f"dimensions {dims[0]}×{dims[1]} are not multiples of {self.alignment}"
         if min(dims) < self.min_features:
@@ -117,31 +175,45 @@ class Fp8Linears(abc.ABC):
         return kept
 
     def prepare(self, model: nn.Module, islands: Iterable[nn.Module]) -> None:
-        """Converts every Linear not skipped; Linears inside fp32 islands stay high precision.
-        GPT-2's `Conv1D` layers (Linears with the weight stored transposed) become Linears first,
-        so they convert too."""
-        _conv1d_to_linear(model)
-        in_islands = {id(m) for island in islands for m in island.modules()}
-        in_kept_blocks = self._kept_blocks(model)
-        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        """Converts every Linear not skipped: Linears inside fp32 islands stay high precision, a
+        fine-tune's adapters (model.peft) stay in autocast's dtype unless
+        precision.fp8.convert_adapters=true. GPT-2's `Conv1D` layers (Linears with the weight
+        stored transposed) are chosen by the same rules; a chosen one becomes a Linear first,
+        saved in the Conv1D's layout still. A converted layer keeps the trainability, hooks and
+        forward layers of the module it replaced (`_carry`)."""
+        adapters = set() if self.convert_adapters else adapter_parameters(model)
+        # id → reason, by precedence: an island's, then keep_bf16's, then an adapter's
+        excluded = {
+            **{
+                id(m): ADAPTER
+                for m in model.modules()
+                if not adapters.isdisjoint(m.parameters(False))
+            },
+            **self._kept_blocks(model),
+            **{id(m): "inside an fp32 island" for island in islands for m in island.modules()},
+        }
+        linears = [
+            (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)
+        ]
         order = [n for n, _ in linears]
-        chosen = set()
+        chosen: dict[str, nn.Module] = {}
         for name, linear in linears:
-            reason = "inside an fp32 island" if id(linear) in in_islands else None
-            if type(linear) is not nn.Linear:
-                reason = reason or f"a {type(linear).__name__}, not a plain nn.Linear"
-            reason = (
-                reason or in_kept_blocks.get(id(linear)) or self._skip_reason(name, linear, order)
-            )
-            if reason:
+            if reason := excluded.get(id(linear)) or self._skip_reason(name, linear, order):
                 self.skipped[name] = reason
             else:
-                chosen.add(name)
+                chosen[name] = linear
         self._model = model
-        if chosen:
-            self._convert(model, chosen)
-            for module in self._converted().values():
-                layers.add(module, "fp8", self._switch)
+        if not chosen:
+            return
+        for name, old in chosen.items():
+            if _is_conv1d(old):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, _as_linear(old))
+        self._convert(model, set(chosen))
+        for name, old in chosen.items():
+            new = model.get_submodule(name)
+            _carry(old, new)
+            layers.add(new, "fp8", self._switch)
 
     def _converted(self) -> dict[str, nn.Module]:
         """The layers that are torchao's converted class (FSDP2 subclasses it), by name."""

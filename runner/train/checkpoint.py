@@ -12,6 +12,7 @@ import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
+from runner.precision.fp8 import saved_transposed
 from runner.train import distributed, frozen, sharded
 from runner.train.convert import convert_precision
 from runner.train.distributed import Dist
@@ -219,10 +220,29 @@ def first_nonfinite(tensors) -> str | None:
     )
 
 
-def _by_group(objects: dict) -> dict:
+def _by_group(states: dict) -> dict:
     """One optimizer (or schedule): its state dict. Several (a GAN): a dict of them by group."""
-    states = {name: obj.state_dict() for name, obj in objects.items()}
     return next(iter(states.values())) if len(states) == 1 else states
+
+
+def _saved_layout(task: torch.nn.Module, optimizer, state: dict) -> dict:
+    """An optimizer's state dict with the moments of the weights the model saves transposed (a
+    GPT-2 `Conv1D` that fp8 made a Linear: runner/precision/fp8.py) transposed too, saving or
+    loading: a checkpoint holds the model's own layout, whatever a mode converts in memory."""
+    transposed = saved_transposed(task)
+    if not transposed:
+        return state
+    ids = [i for group in state["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    swap = {i for i, p in zip(ids, params, strict=True) if p in transposed}
+    moments = {
+        i: {
+            k: v.t() if i in swap and torch.is_tensor(v) and v.ndim == 2 else v
+            for k, v in s.items()
+        }
+        for i, s in state["state"].items()
+    }  # new dicts: a state dict's per-weight dicts are the optimizer's own
+    return {**state, "state": moments}
 
 
 def module_states(
@@ -233,9 +253,14 @@ def module_states(
     modules = (
         sharded.module_states(task, list(optimizers.values()))
         if fsdp
-        else {**frozen.model_state(task), "optimizer": _by_group(optimizers)}
+        else {
+            **frozen.model_state(task),
+            "optimizer": _by_group(
+                {n: _saved_layout(task, o, o.state_dict()) for n, o in optimizers.items()}
+            ),
+        }
     )
-    return {**modules, "scheduler": _by_group(schedulers)}
+    return {**modules, "scheduler": _by_group({n: s.state_dict() for n, s in schedulers.items()})}
 
 
 def _saved(state: dict, key: str, objects: dict) -> dict:
@@ -276,4 +301,4 @@ def _load_whole(state: dict, task: torch.nn.Module, optimizers: dict) -> None:
         )
         raise UserError(f"the checkpoint does not fit this model config: {mismatch}") from None
     for name, saved in _saved(state, "optimizer", optimizers).items():
-        optimizers[name].load_state_dict(saved)
+        optimizers[name].load_state_dict(_saved_layout(task, optimizers[name], saved))
