@@ -16,7 +16,7 @@ from runner.answers.inference import evaluate_precisions
 from runner.build import build, seed_everything
 from runner.config.validation import validate
 from runner.errors import Preempted, UserError, first_line
-from runner.measure import truth
+from runner.measure import manifest, truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp16_health
 from runner.measure.memory import trainer_memory
@@ -125,6 +125,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         task.to(device)
         if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
             seed_everything(cfg.seed + ranks.rank)
+        plan = manifest.Plan(task, precision)  # what the config asked, before anything converts
         precision.prepare(task, cfg.precision.fp32_modules)  # islands; fp16_master's masters
         summary["fp32_head"] = precision.fp32_head  # precision.fp32_head's module (None: off)
         if cfg.trainer.compile:
@@ -153,7 +154,15 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             "world_size": ranks.world,
             "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
         }
+        plan.started()
         summary |= trainer.fit()
+        held = manifest.build(
+            trainer.meter.audited_steps,
+            plan,
+            getattr(summary.get("precision_truth"), "parameters", None),
+        )
+        summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
+        manifest.report(held)
         summary["cpu_kernels"] = precision.cpu_kernels
         summary |= precision.memory(task)
         summary["memory"] = trainer_memory(trainer)

@@ -72,17 +72,24 @@ class PrecisionAudit(TorchDispatchMode):
     autocast's casts): the share done in low precision, and what stayed fp32. The forwards that
     gradient checkpointing recomputes are counted apart: hardware FLOPs, not model FLOPs."""
 
-    def __init__(self):
+    def __init__(self, matmuls=None):
+        """`matmuls`: the precision manifest's record (runner/measure/manifest.py), which sees
+        every op too."""
         super().__init__()
         self.flops: dict[tuple[str, torch.dtype], int] = defaultdict(int)
         self.recomputed = 0
+        self.matmuls = matmuls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.matmuls is not None:
+            self.matmuls.before()
         out = func(*args, **kwargs)
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
-        if formula is not None:
-            count = int(formula(*args, **kwargs, out_val=out))
+        count = int(formula(*args, **kwargs, out_val=out)) if formula is not None else None
+        if self.matmuls is not None:
+            self.matmuls.observe(func, args, kwargs, out, count)
+        if count is not None:
             if recomputing():
                 self.recomputed += count
             else:

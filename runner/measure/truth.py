@@ -45,7 +45,10 @@ def _state_held(t: torch.Tensor) -> str:
 
 
 class Truth(dict):
-    """The table, as a plain dict in summary.json; one line in the final summary table."""
+    """The table, as a plain dict in summary.json; one line in the final summary table. Its
+    `parameters`: each parameter's row by name (the precision manifest's, not in the table)."""
+
+    parameters: dict[str, dict]
 
     def __repr__(self) -> str:
         return f"{len(self['rows'])} rows, {len(self['mismatches'])} mismatches (see run start)"
@@ -116,6 +119,7 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
     autocast = short(precision.dtype) or "off"
     adapters = adapter_parameters(task)
     rows: dict[str, dict] = {}
+    per_parameter: dict[str, dict] = {}
     for name, p in task.named_parameters():  # tied weights once
         module = modules[name.rpartition(".")[0]]
         master = precision.master.masters.get(p)
@@ -143,6 +147,7 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
             "reduce": _reduce(model, precision, policy, grad, stand_in) if trains else None,
             "norm": module in norms,
         }
+        per_parameter[name] = row
         key = repr(sorted(row.items()))
         rows.setdefault(key, {"count": 0, "example": name, **row})["count"] += 1
     found = list(rows.values())
@@ -155,7 +160,9 @@ def precision_truth(task, model, precision, optimizers, state_dtype: str | None 
         f"{', '.join(dict.fromkeys(r['module'] for r in hit))} (e.g. {hit[0]['example']})"
         for problem, hit in problems.items()
     ]
-    return Truth(mode=precision.mode, autocast=autocast, rows=found, mismatches=mismatches)
+    truth = Truth(mode=precision.mode, autocast=autocast, rows=found, mismatches=mismatches)
+    truth.parameters = per_parameter
+    return truth
 
 
 def _problems(row: dict, precision, state_dtype: str | None) -> list[str]:

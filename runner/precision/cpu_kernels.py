@@ -23,6 +23,7 @@ Everything else (elementwise ops, norms, the optimizer) keeps PyTorch's kernels.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -55,6 +56,16 @@ _OUT = {
     _aten.bmm.out: _aten.bmm.default,
     _aten.baddbmm.out: _aten.baddbmm.default,
 }
+
+
+class _Computed(threading.local):
+    """The dtype of the operands the last op computed here handed PyTorch's kernel (None where
+    none did): the precision manifest reads it after each matmul it sees."""
+
+    dtype: torch.dtype | None = None
+
+
+COMPUTED = _Computed()
 
 
 def emulated_dtypes(setting: str, caps: DeviceCaps, modes: Iterable[str]) -> frozenset[torch.dtype]:
@@ -112,6 +123,9 @@ class FastKernels:
         self.calls += 1
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t.float() if t.dtype == dtype else t, (args, kwargs)
+        )
+        COMPUTED.dtype = next(
+            t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
         )
         return op.redispatch(keyset.remove(_BACKEND_SELECT), *args, **kwargs)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from runner import console
+from runner.measure import manifest
 from runner.measure.flops import PrecisionAudit
 from runner.measure.memory import SavedActivations
 from runner.task import Batch
@@ -94,6 +95,9 @@ class Meter:
         self.cfg, self.device, self.world, self.num_tokens = cfg, device, world, num_tokens
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
+        self.task = task
+        # the precision manifest's record of each stage's audited step: {mode, step, ops}
+        self.audited_steps: list[dict] = []
         self.activations = SavedActivations(task)  # counted in audited steps
         self.health: dict | None = None  # fp16's gradient health, from an audited step
         self._auditing = False
@@ -120,23 +124,35 @@ class Meter:
         self,
         probe: Callable[[], dict | None] = lambda: None,
         counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        mode: str = "",
+        step: int = 0,
     ):
-        """Records the step op by op, where no audit exists yet: which dtype each op ran in, and
-        what its forwards save for backward; `probe` measures before it (fp16 health), and
-        `counting` adds its own figures (fp8's GEMMs). Eagerly: Dynamo skips for good a frame it
-        meets under a dispatch mode."""
+        """Records the step op by op, where no audit exists yet: which dtype each op ran in, what
+        its forwards save for backward, and each matmul by module and direction (the precision
+        manifest, printed here); `probe` measures before it (fp16 health), and `counting` adds
+        its own figures (fp8's GEMMs). `mode`, `step`: the mode in force and the step audited.
+        Eagerly: Dynamo skips for good a frame it meets under a dispatch mode."""
         if self.audit is not None:
             yield
             return
+        stack = manifest.ModuleStack(self.task) if self.task is not None else None
+        matmuls = manifest.MatmulLog(stack) if stack is not None else None
         with torch.compiler.set_stance("force_eager"):
             self.health = probe() or self.health
             self._auditing = True
             try:
-                with PrecisionAudit() as audit, counting() as counted:
+                with (
+                    stack or contextlib.nullcontext(),
+                    PrecisionAudit(matmuls) as audit,
+                    counting() as counted,
+                ):
                     yield
             finally:
                 self._auditing = False
         self.audit = audit.report() | (counted or {})
+        if matmuls is not None:
+            self.audited_steps.append({"mode": mode, "step": step, "ops": matmuls.records()})
+            manifest.show(self.audited_steps[-1])
 
     def saving(self) -> contextlib.AbstractContextManager:
         """Around a forward: in an audited step, counts the activations it saves for backward."""

@@ -97,7 +97,8 @@ class Trainer:
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
                 probe = functools.partial(self._gradient_health, window)
-                with self.meter.audited(probe, self.precision.counting):
+                audit = (probe, self.precision.counting, self.precision.mode, self.step + 1)
+                with self.meter.audited(*audit):
                     stepped = self.train_step(window)
                 if stepped is not None:
                     self.step += 1
