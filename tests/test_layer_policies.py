@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from runner.config.validation import validate
 from runner.errors import UserError
@@ -53,11 +52,11 @@ def test_keep_bf16_leaves_the_first_and_last_blocks_out_of_the_low_precision_for
     pytest.importorskip("torchao")
     keep = ["precision.fp8.keep_bf16.first=1", "precision.fp8.keep_bf16.last=1"]
     _, task, precision = _prepared(*GPT, f"precision={mode}", "precision.fp8.skip=[]", *keep)
-    classes = [
-        {type(m).__name__ for m in block.modules() if isinstance(m, nn.Linear)}
+    classes = [  # GPT-2's projections: transformers' Conv1D, an nn.Linear stored transposed
+        {type(m).__name__ for m in block.modules() if hasattr(m, "weight") and m.weight.ndim == 2}
         for block in task.model.transformer.h
     ]
-    kept, converted = {"Linear"}, {CONVERTED[mode]}
+    kept, converted = {"Conv1D"}, {CONVERTED[mode]}  # a kept block's are left as they are
     assert classes == [kept, converted, converted, kept]
     assert type(task.model.lm_head).__name__ == CONVERTED[mode]  # skip=[]: outside the blocks
     why = precision.fp8.skipped["model.transformer.h.3.mlp.c_fc"]
