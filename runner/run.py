@@ -188,7 +188,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
                 "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
             }
         if ranks.main:  # the final weights in each precision of runner.eval_precisions
-            summary |= evaluate_precisions(trainer.evaluation, cfg.runner.eval_precisions)
+            masters = precision.master.masters  # fp16_master: the weights are these
+            summary |= evaluate_precisions(trainer.evaluation, cfg.runner.eval_precisions, masters)
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

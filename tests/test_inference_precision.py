@@ -17,11 +17,13 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from runner.answers.inference import cast_copy
+from runner.answers.inference import cast_copy, evaluate_precisions
 from runner.compare import compare
 from runner.errors import UserError
-from runner.precision import islands
+from runner.precision import Precision, islands
 from runner.run import build, run
+from runner.train.evaluation import Evaluation, Variant, evaluating
+from runner.train.evaluation import run as evaluation_run
 from tests.helpers import TINY_BERT, TINY_MLP, load_last, make_cfg
 
 HERE = "tests.test_inference_precision"
@@ -288,3 +290,86 @@ def test_the_comparison_shows_each_rows_inference_precisions(tmp_path):
         [sys.executable, "-m", "runner.compare", str(tmp_path)], capture_output=True, text=True
     )
     assert "inference precision" in printed.stdout and "fp16_cast" in printed.stdout
+
+
+# -- the reference is the weights in fp32, whatever mode trained them -------------------------
+
+
+def _fp32_loss(cfg, weights: dict) -> float:
+    """An fp32 evaluation of `weights` in a model built afresh from `cfg`: no precision mode."""
+    data, task = build(cfg)
+    task.load_state_dict(weights)  # fp16 or bf16 values are widened into the fp32 model
+    variant = Variant(task)
+    with evaluating(task):
+        count = evaluation_run([variant], data.val_loader(cfg.trainer.limit_val_batches), dict)
+    return variant.metrics(count)["eval_loss"]
+
+
+def test_after_fp8_the_fp32_row_is_a_true_fp32_evaluation(tmp_path):
+    """The trained model's converted Linears run fp8 GEMMs while the mode is on; the fp32 row is
+    the same weights in plain fp32 Linears."""
+    pytest.importorskip("torchao")
+    cfg = make_cfg(
+        *TINY_BERT,
+        "precision=fp8",
+        "precision.fp8.min_features=16",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=0",
+        "trainer.limit_val_batches=2",
+        "runner.eval_precisions=[bf16,bf16_cast]",
+    )
+    summary = run(cfg, tmp_path)
+    assert summary["fp8"]["converted"]  # the mode did convert Linears
+    rows = summary["eval_precisions"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    truth = _fp32_loss(cfg, load_last(tmp_path)["model"])
+    assert rows["fp32"]["metrics"]["eval_loss"] == pytest.approx(truth, rel=1e-6)
+
+
+def test_after_bf16_true_the_norms_of_the_fp32_row_and_the_cast_copies_are_their_own_dtype():
+    """bf16_true hands a norm layer's output on in bf16 (its `cast` layer); the fp32 reference
+    computes it in fp32 and an fp16 cast copy in fp16. Read off the norms' forward hooks, which
+    the copies take with them."""
+    cfg = make_cfg(*TINY_BERT, "precision=bf16_true", "trainer.limit_val_batches=1")
+    data, task = build(cfg)
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    seen: dict[int, set] = {}
+    for module in task.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.register_forward_hook(
+                lambda m, a, out: seen.setdefault(id(m), set()).add(out.dtype)
+            )
+    try:
+        precision.prepare(task)
+        evaluation = Evaluation(task, data, precision.autocast, 1, dict, False)
+        rows = evaluate_precisions(evaluation, ["fp32", "fp16_cast"])["eval_precisions"]
+    finally:
+        precision.close()
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    norms = sum(isinstance(m, nn.LayerNorm) for m in task.modules())
+    # each copy's norms (the trained task's own never ran): fp32's and fp16_cast's
+    assert len(seen) == 2 * norms
+    assert sorted(str(d) for dtypes in seen.values() for d in dtypes) == sorted(
+        ["torch.float32"] * norms + ["torch.float16"] * norms
+    )
+
+
+def test_after_fp16_master_the_fp32_row_evaluates_the_masters(tmp_path):
+    """The weights of an fp16_master run are its fp32 masters; the model holds their fp16
+    copies. The fp32 row is the masters' evaluation, not the copies'."""
+    cfg = make_cfg(
+        *TINY_MLP,
+        "precision=fp16_master",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=0",
+        "trainer.limit_val_batches=2",
+        "runner.eval_precisions=[fp16_cast]",
+    )
+    rows = run(cfg, tmp_path)["eval_precisions"]
+    state = load_last(tmp_path)
+    copies = state["model"]
+    halves = [name for name, value in copies.items() if value.dtype == torch.float16]
+    masters = copies | dict(zip(halves, state["master_weights"], strict=True))
+    truth, of_copies = _fp32_loss(cfg, masters), _fp32_loss(cfg, copies)
+    assert abs(truth - of_copies) > 1e-6 * truth  # fp16's rounding of the weights shows
+    assert rows["fp32"]["metrics"]["eval_loss"] == pytest.approx(truth, rel=1e-8), of_copies

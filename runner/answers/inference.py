@@ -1,17 +1,18 @@
 """Inference in the precision you will deploy (`runner.eval_precisions`): after training, the final
-weights evaluated in each precision: autocast in its dtype, or (`*_cast`) the model cast with
-`.to(dtype)` and run without autocast, as models are often deployed. Each batch goes through
-every precision in turn (one evaluation loop: runner/train/evaluation.py), so each is measured
-against the fp32 evaluation of the same batch: the metrics' change, and the gap in outputs (the
-mean KL divergence of the predicted distribution; for values, each sample's relative error).
-A precision whose outputs are non-finite is the row "overflow"; one that fails, the row "error"."""
+weights (as a plain fp32 model: `trained_weights`) evaluated in each precision: autocast in its
+dtype, or (`*_cast`) the model cast with `.to(dtype)` and run without autocast, as models are
+often deployed. Each batch goes through every precision in turn (one evaluation loop:
+runner/train/evaluation.py), so each is measured against the fp32 evaluation of the same batch:
+the metrics' change, and the gap in outputs (the mean KL divergence of the predicted
+distribution; for values, each sample's relative error). A precision whose outputs are
+non-finite is the row "overflow"; one that fails, the row "error"."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -23,12 +24,15 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from runner.errors import first_line
-from runner.precision import islands
+from runner.precision import islands, layers
+from runner.precision.fp8 import _carry
 from runner.task import DISTRIBUTION, Task
 from runner.train.evaluation import Evaluation, Predictions, Variant, evaluating, run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE = "fp32"
+# A training mode's forward layers (runner/precision/layers.py): bf16_true's casts, fp8's switch
+MODE_LAYERS = ("cast", "fp8")
 CHUNK = 2**24  # logits compared at a time, in float64 (128 MiB): a large vocabulary's fit
 
 
@@ -43,6 +47,52 @@ def true_fp32() -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def trained_weights(task: Task, masters: Mapping[nn.Parameter, nn.Parameter]) -> Task:
+    """The trained weights as a plain fp32 model: the reference each precision is measured
+    against, and what the cast copies are made from. Its weights are the fp32 masters where
+    there are any (fp16_master's model holds their fp16 copies), the others widened to fp32;
+    its modules have none of the training mode's forward layers (MODE_LAYERS), and fp8's
+    converted Linears are plain `nn.Linear`s again (their hooks and other layers carried); the
+    fp32 islands stay. The task itself where it is that already; fp32 tensors are shared."""
+    tensors = list(chain(task.parameters(), task.buffers()))
+    moded = {
+        name: module
+        for name, module in task.named_modules()
+        if any(layers.has(module, layer) for layer in MODE_LAYERS)
+    }
+    low = any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors)
+    if not (masters or moded or low):
+        return task
+    memo: dict[int, object] = {}
+    for t in tensors:
+        source = masters.get(t, t)
+        if not source.is_floating_point() or source.dtype == torch.float32:
+            memo[id(t)] = source  # shared, and only read
+            continue
+        wide = source.detach().float()
+        memo[id(t)] = (
+            nn.Parameter(wide, requires_grad=False) if isinstance(t, nn.Parameter) else wide
+        )
+    for module in moded.values():  # their layers are not copied (fp8's switch holds the mode)
+        kept = {k: v for k, v in module._forward_layers.items() if k not in MODE_LAYERS}
+        memo[id(module._forward_layers)] = kept
+    plain = copy.deepcopy(task, memo)
+    for name, module in moded.items():
+        if layers.has(module, "fp8"):
+            converted = plain.get_submodule(name)
+            linear = nn.Linear(
+                converted.in_features,
+                converted.out_features,
+                bias=converted.bias is not None,
+                device="meta",
+            )
+            linear.weight, linear.bias = converted.weight, converted.bias
+            _carry(converted, linear)
+            parent, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent), child, linear)
+    return plain
 
 
 def _inputs_in_own_dtype(module: nn.Module, args: tuple, kwargs: dict):
@@ -158,29 +208,32 @@ class Deployed(Variant):
         return {"status": "ok", "metrics": metrics, "change": change, **self.gap.figures()}
 
 
-def _deployed(name: str, task: Task, reference: Task) -> Deployed:
+def _deployed(name: str, reference: Task) -> Deployed:
     dtype = DTYPES[name.removesuffix("_cast")]
     if name.endswith("_cast"):
         try:
-            return Deployed(cast_copy(task, dtype), name=name)
-        except Exception as e:  # a model that cannot be copied (compiled, fp8-converted ...)
-            return Deployed(task, name=name, failed=f"the cast copy failed: {first_line(e)}")
-    device = next(task.parameters()).device.type
+            return Deployed(cast_copy(reference, dtype), name=name)
+        except Exception as e:  # a model that cannot be copied (compiled ...)
+            return Deployed(reference, name=name, failed=f"the cast copy failed: {first_line(e)}")
+    device = next(reference.parameters()).device.type
     autocast = (lambda: torch.autocast(device, dtype=dtype)) if name != REFERENCE else None
     return Deployed(reference, autocast or contextlib.nullcontext, name=name)
 
 
-def evaluate_precisions(evaluation: Evaluation, names: Sequence[str]) -> dict:
-    """summary.json's `eval_precisions`: {precision: its row}, fp32 (the reference) first; {}
-    where none are asked for or there is no validation data."""
+def evaluate_precisions(
+    evaluation: Evaluation,
+    names: Sequence[str],
+    masters: Mapping[nn.Parameter, nn.Parameter] | None = None,
+) -> dict:
+    """summary.json's `eval_precisions`: {precision: its row}, fp32 (the reference: the trained
+    weights, `masters` where the mode keeps fp32 masters, `trained_weights`) first; {} where
+    none are asked for or there is no validation data."""
     loader = evaluation.data.val_loader(evaluation.limit_val_batches) if names else None
     if loader is None:
         return {}
-    task = evaluation.task
-    weights = {p.dtype for p in task.parameters() if p.is_floating_point()}
-    reference = task if weights == {torch.float32} else cast_copy(task, torch.float32)
+    reference = trained_weights(evaluation.task, masters or {})
     order = [REFERENCE, *(n for n in dict.fromkeys(names) if n != REFERENCE)]
-    variants = [_deployed(name, task, reference) for name in order]
+    variants = [_deployed(name, reference) for name in order]
 
     def compare(predictions: list[Predictions | None]) -> None:
         if predictions[0] is None:
