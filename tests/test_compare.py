@@ -434,3 +434,59 @@ def test_a_row_whose_matmuls_were_emulated_in_fp32_is_never_recommended_on_speed
     )
     assert fp32.verdict == "baseline — recommended: no mode is shown to be faster here"
     assert json.loads((tmp_path / "compare.json").read_text())[1]["speed_emulated"] is True
+
+
+def test_a_row_whose_precision_plan_did_not_hold_is_never_recommended(tmp_path, capsys):
+    """summary.json's plan_held: false keeps a row from any recommendation, its verdict the
+    manifest's first mismatch; a job from before the manifest is "untested"."""
+    mismatches = ["model.fc1 forward: computed in fp32, planned bf16", "model.fc2 forward: ..."]
+    broken = {"plan_held": False, "precision_manifest": {"mismatches": mismatches}}
+    fake_job(tmp_path / "0", "fp32", summary={"plan_held": True})
+    fake_job(tmp_path / "1", "bf16", speed=200.0, summary=broken)
+    fake_job(tmp_path / "2", "fp16", speed=150.0)
+    fp32, bf16, fp16 = compare(tmp_path, wandb_log=False)
+    assert bf16.verdict == f"the precision plan did not hold: {mismatches[0]}"
+    assert fp16.verdict.endswith("— recommended")  # the fastest whose plan was not refuted
+    md = (tmp_path / "compare.md").read_text().splitlines()
+    header = md[2].split(" | ")
+    column = header.index("plan held")
+    assert [line.split(" | ")[column] for line in md[4:7]] == ["yes", "no", "untested"]
+    # Printed: a table that fits the terminal (80 columns here), the verdicts whole below it.
+    printed = capsys.readouterr().out.splitlines()
+    table = printed[: printed.index(f"fp32: {fp32.verdict}")]
+    assert max(len(line.rstrip()) for line in table) <= 80
+    assert any(line.startswith("bf16 ") and "the precision plan did not" in line for line in table)
+    for g in (fp32, bf16, fp16):
+        assert f"{g.label}: {g.verdict}" in printed
+
+
+def test_the_speed_whiskers_are_the_quartiles_themselves(tmp_path):
+    """compare.png's speed bars: the median, whiskers to the first and third quartiles of the
+    steady window's per-step speed (never median ± IQR/2, which goes below zero)."""
+    import matplotlib.pyplot as plt
+
+    # The steady window, steps 11-20: median 10, quartiles 10 and 400 (10 ± IQR/2 reaches -185).
+    rates = [10.0] * 16 + [400.0] * 4
+    iqr = 390.0
+    for folder, precision in (("0", "fp32"), ("1", "bf16")):
+        fake_job(tmp_path / folder, precision, speed=10.0, iqr=iqr)
+        rows = read_rows(tmp_path / folder)
+        lines = [
+            json.dumps(r | {"samples_per_s": v}) + "\n" for r, v in zip(rows, rates, strict=True)
+        ]
+        (tmp_path / folder / "metrics.jsonl").write_text("".join(lines))
+    groups = compare(tmp_path, wandb_log=False, speed="jobs")
+    assert (groups[0].figures["samples_per_s_q1"], groups[0].figures["samples_per_s_q3"]) == (
+        10.0,
+        400.0,
+    )
+    plt.switch_backend("Agg")
+    fig, ax = plt.subplots()
+    dashboard._speed(ax, groups)
+    whisker = ax.containers[0].lines[2][0].get_segments()[0]  # the first bar's error bar
+    assert [y for _, y in whisker] == [10.0, 400.0]
+    plt.close(fig)
+
+
+def read_rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -102,13 +102,16 @@ def _gaps(ax, groups: list[Group]) -> None:
 
 
 def _speed(ax, groups: list[Group]) -> None:
-    """Each group's samples/s, whiskers its interquartile range; a step too small to tell is
-    hatched."""
+    """Each group's median samples/s, whiskers its first and third quartiles (a typical seed's);
+    a step too small to tell is hatched."""
     x = range(len(groups))
     speed = [g.figures.get("samples_per_s", math.nan) for g in groups]
-    iqr = [g.figures.get("samples_per_s_iqr", math.nan) for g in groups]
-    whiskers = [v / 2 if known(v) else 0 for v in iqr]
-    bars = ax.bar(x, speed, yerr=whiskers, capsize=4, color=[f"C{i}" for i in x])
+    below, above = [], []  # the whiskers from the bar's top: to the quartiles, where known
+    for g, top in zip(groups, speed, strict=True):
+        q1, q3 = (g.figures.get(f"samples_per_s_{q}", math.nan) for q in ("q1", "q3"))
+        below.append(max(top - q1, 0) if known(q1) and known(top) else 0)
+        above.append(max(q3 - top, 0) if known(q3) and known(top) else 0)
+    bars = ax.bar(x, speed, yerr=[below, above], capsize=4, color=[f"C{i}" for i in x])
     for bar, g in zip(bars, groups, strict=True):
         if g.figures.get("speed_emulated"):
             bar.set_hatch("..")
@@ -119,7 +122,7 @@ def _speed(ax, groups: list[Group]) -> None:
     ax.set_xticks(list(x), [g.label for g in groups], rotation=20, fontsize="small")
     timing = ", ".join(sorted({g.figures["speed_source"] for g in groups}))
     timing = timing.replace("jobs", "per-job")
-    ax.set(ylabel="samples/s", title=f"speed ({timing} timing; whiskers: IQR)")
+    ax.set(ylabel="samples/s", title=f"speed ({timing} timing; whiskers: quartiles)")
     handles, labels = ax.get_legend_handles_labels()
     if handles:  # one entry per kind of hatch
         kinds = dict(zip(labels, handles, strict=True))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from runner.compare import capacity
-from runner.compare.stats import finite, mean_std, median
+from runner.compare.stats import finite, mean_std, median, quartiles
 
 if TYPE_CHECKING:
     from runner.compare.jobs import Job
@@ -82,6 +82,20 @@ def memory_figure(summary: dict) -> tuple[float, str]:
     return (math.nan if peak is None else float(peak)), "process peak"
 
 
+def plan_held(g: Group) -> dict:
+    """Whether the precision plan held in every seed (summary.json's `plan_held`: False where
+    one seed's did not, None, untested, where a seed has no such key), and the first mismatch
+    of the first seed where it did not (its `precision_manifest`)."""
+    held = [j.summary.get("plan_held") for j in g.jobs]
+    broken = next((j.summary for j in g.jobs if j.summary.get("plan_held") is False), None)
+    manifest = (broken or {}).get("precision_manifest")
+    mismatches = (manifest.get("mismatches") if isinstance(manifest, dict) else None) or [None]
+    return {
+        "plan_held": False if broken else (True if all(h is True for h in held) else None),
+        "plan_mismatch": mismatches[0],
+    }
+
+
 def own_figures(g: Group, timing: dict | None) -> dict:
     """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
     jobs = g.counted
@@ -95,16 +109,23 @@ def own_figures(g: Group, timing: dict | None) -> dict:
     f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
+        f["samples_per_s_q1"], f["samples_per_s_q3"] = quartiles(timing["samples_per_s_rounds"])
         # Its MFU by the step time its speed now comes from (as runner/measure/flops.py's utilisation;
         # over 1, the peak is no ceiling, and no MFU is shown).
         mfu = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
         f["mfu"] = mfu if mfu <= 1 else math.nan
-    return f | {
-        "eval_loss_mean": f["eval_loss"],
-        "seeds": len(g.jobs),
-        "divergence_rate": len(g.unstable) / len(g.jobs),
-        # Against the baseline's job of the same seed: the worst seed's curve gap, a typical
-        # final gap.
-        "max_loss_gap": max(finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan),
-        "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
-    }
+    return (
+        f
+        | plan_held(g)
+        | {
+            "eval_loss_mean": f["eval_loss"],
+            "seeds": len(g.jobs),
+            "divergence_rate": len(g.unstable) / len(g.jobs),
+            # Against the baseline's job of the same seed: the worst seed's curve gap, a typical
+            # final gap.
+            "max_loss_gap": max(
+                finite(j.figures.get("max_loss_gap") for j in jobs), default=math.nan
+            ),
+            "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
+        }
+    )

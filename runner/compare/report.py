@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,7 @@ from runner import console
 from runner.compare import capacity, deployed, finetune
 from runner.compare.dashboard import plot
 from runner.compare.stats import known
+from runner.compare.verdicts import in_short
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
@@ -38,12 +38,15 @@ COLUMNS = [
     ("loss scale", "final_loss_scale", "{:g}"),
     ("MFU", "mfu", "{:.1%}"),
     ("low-prec FLOPs", "low_precision_flop_share", "{:.0%}"),
+    ("plan held", "plan_held", "{}"),
     ("verdict", "verdict", "{}"),
 ]
 
 
 def _cell(group: Group, key: str, fmt: str) -> str:
     value = getattr(group, key) if key in ("label", "verdict") else group.figures.get(key)
+    if key == "plan_held":  # summary.json's plan_held: a run without one did not test it
+        return {True: "yes", False: "no"}.get(value, "untested")
     if not known(value):
         return "—"
     std = group.figures.get(f"{key}_std")  # the losses over several seeds: mean ± std
@@ -135,18 +138,46 @@ def log_to_wandb(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -
         console.say(f"[yellow]warning:[/] W&B logging of the comparison failed ({e})")
 
 
+# The printed table: what fits a terminal (compare.md has every column); the verdicts whole below.
+SHOWN = [
+    ("precision", "label", "{}"),
+    ("speedup", "speedup", "{:.2f}×"),
+    ("eval loss", "eval_loss", "{:.4f}"),
+    ("gap [95% CI]", "loss_gap", "{:+.1%}"),
+    ("mem\nsaving", "memory_saving", "{:+.0%}"),
+]
+
+
+def _short_cell(group: Group, key: str, fmt: str) -> str:
+    """As compare.md's cell, the interval's bounds without their % signs: "+0.1% [-2.0, +2.2]"."""
+    cell = _cell(group, key, fmt)
+    head, bracket, interval = cell.partition(" [")
+    return head + bracket + interval.replace("%", "") if bracket else cell
+
+
 def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    rows = table(groups)
-    shown = Table(title=f"precision comparison — {sweep_dir}", title_justify="left")
-    for name in rows[0]:
-        shown.add_column(name, overflow="fold")
-    for r in rows[1:]:
-        shown.add_row(*r)
-    Console(width=None if sys.stdout.isatty() else 200).print(shown)
+    out = Console()  # the terminal's width (80 columns where stdout is not a terminal)
+    shown = Table(
+        title=f"precision comparison — {sweep_dir}",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        header_style="bold underline",
+    )
+    for name, _, _ in SHOWN:
+        shown.add_column(name, justify="left" if name == "precision" else "right", no_wrap=True)
+    shown.add_column("verdict", ratio=1, overflow="fold")
+    for g in groups:
+        shown.add_row(*(_short_cell(g, k, f) for _, k, f in SHOWN), in_short(g.verdict))
+    out.print(shown)
+    for g in groups:
+        out.print(f"{g.label}: {g.verdict}", highlight=False, soft_wrap=True)
     deployed.show(groups)
     for note in _notes(groups):
-        print(f"note: {note}")
-    print(f"written: {', '.join(str(p) for p in paths.values())}")
+        out.print(f"note: {note}", highlight=False, soft_wrap=True)
+    out.print(
+        f"written: {', '.join(str(p) for p in paths.values())}", highlight=False, soft_wrap=True
+    )

@@ -35,6 +35,16 @@ def median(values) -> float:
     return statistics.median(values)
 
 
+def quartiles(values) -> tuple[float, float]:
+    """The first and third quartiles (linear interpolation, as numpy's default and the run's own
+    samples_per_s_iqr); NaN under two values."""
+    values = finite(values)
+    if len(values) < 2:
+        return math.nan, math.nan
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     """The median of the per-round ratios a/b."""
     return statistics.median(x / y for x, y in zip(a, b, strict=True))

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from runner.compare import capacity, dashboard, finetune, report
 from runner.compare.groups import Group, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
-from runner.compare.stats import as_float
+from runner.compare.stats import as_float, quartiles
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.errors import UserError
@@ -64,6 +64,19 @@ def group(jobs: list[Job]) -> list[Group]:
     return rows
 
 
+def _speed_quartiles(job: Job) -> tuple[float, float]:
+    """The quartiles of its steady window's per-step samples/s (runner/train/telemetry.py's: the
+    steps after trainer.benchmark.warmup_steps), where they give summary.json's
+    samples_per_s_iqr (a resumed run's window is not its record's); else NaN."""
+    iqr = as_float(job.summary.get("samples_per_s_iqr"))
+    if not math.isfinite(iqr) or not job.rows:
+        return math.nan, math.nan
+    warmup = job.config.get("trainer", {}).get("benchmark", {}).get("warmup_steps", 10)
+    start = job.rows[0]["step"] - 1 + warmup
+    q1, q3 = quartiles(as_float(r.get("samples_per_s")) for r in job.rows if r["step"] > start)
+    return (q1, q3) if math.isclose(q3 - q1, iqr, rel_tol=1e-6, abs_tol=1e-9) else (math.nan,) * 2
+
+
 def _job_figures(job: Job, base: Job | None) -> None:
     """A job's own figures and health, and those paired with its baseline's job of the same
     seed (speedup, memory saving, loss-curve gaps)."""
@@ -74,6 +87,7 @@ def _job_figures(job: Job, base: Job | None) -> None:
     f = job.figures = {
         "samples_per_s": as_float(s.get("samples_per_s")),
         "samples_per_s_iqr": as_float(s.get("samples_per_s_iqr")),
+        **dict(zip(("samples_per_s_q1", "samples_per_s_q3"), _speed_quartiles(job), strict=True)),
         "step_time_s": as_float(s.get("step_time_s")),
         "flops_per_step": as_float(s.get("flops_per_step")),
         "peak_tflops": as_float(s.get("peak_tflops")),

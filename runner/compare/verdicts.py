@@ -33,6 +33,7 @@ step is something no precision speeds up, and every mode of that setting is too 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 
 from runner.compare import capacity
@@ -116,6 +117,9 @@ def _problem(g: Group, tolerance: float) -> str:
             f"unstable in {len(bad)} of {len(g.jobs)} seeds ({first}, seed "
             f"{bad[0].config.get('seed', '?')}) — not recommended"
         )
+    if f["plan_held"] is False:  # it did not run the precision its row names
+        mismatch = f["plan_mismatch"]
+        return "the precision plan did not hold" + (f": {mismatch}" if mismatch else "")
     if base is None or g is base:
         return ""
     gap, metric, name = f["loss_gap"], f["gap_metric"].replace("_", " "), _name(base)
@@ -251,3 +255,17 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
                     g.figures["note"] = "; ".join(filter(None, [g.figures["note"], note]))
     for g in groups:
         g.verdict = g.verdict or "no fp32 run to compare with"
+
+
+def in_short(verdict: str) -> str:
+    """A verdict in a few words, for the printed table (compare.md and the lines below the table
+    have it whole): what went wrong where it names a problem ("diverged: ...", "failed: ...", or
+    whatever precedes " — not recommended"), else its outcome after " — " ("recommended",
+    "speed emulated", ...); "baseline" first where it is one."""
+    head, sep, tail = verdict.partition(" — ")
+    first = re.split(r":| \(", head, maxsplit=1)[0]
+    if head.startswith("baseline"):
+        return "baseline" + (", recommended" if tail.startswith("recommended") else "")
+    if not sep or tail.startswith("not recommended") or head[len(first) : len(first) + 1] == ":":
+        return first
+    return tail.split(":")[0]
