@@ -162,7 +162,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
             getattr(summary.get("precision_truth"), "parameters", None),
         )
         summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
-        manifest.report(held)
+        manifest.report(held, log)
         summary["cpu_kernels"] = precision.cpu_kernels
         summary |= precision.memory(task)
         summary["memory"] = trainer_memory(trainer)

@@ -101,6 +101,11 @@ class WandbTracker:
         for row in rows:  # at its optimizer step: a row amended with its evaluation merges in
             self.run.log(row, step=row["step"])
 
+    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        import wandb
+
+        self.run.log({key: wandb.Table(columns=columns, data=rows)})
+
     def finish(self, summary: dict, exit_code: int) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if v is not None})
         self.run.finish(exit_code=exit_code)
@@ -157,6 +162,10 @@ class RunLog:
         self._metrics.write(dumps(row) + "\n")
         self._metrics.flush()
         self._to_tracker("log", [{"step": row["step"], **added}])
+
+    def log_table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        """A table for the tracker only (metrics.jsonl and summary.json hold its data already)."""
+        self._to_tracker("table", key, columns, rows)
 
     def _to_tracker(self, method: str, *args) -> None:
         if self.tracker is None:

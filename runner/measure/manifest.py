@@ -366,6 +366,8 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
         if planned is None:
             continue
         held = _held(ran, planned)
+        if held is None and planned == mode.compute and mode.fp8:
+            held = False  # a converted Linear that computes above fp8 was not converted
         if held is False:
             mismatches.append(f"{why}; {where} ran in {ran}")
         elif held is None:
@@ -501,6 +503,40 @@ def show(stage: dict) -> None:
         console.console.print(f"  {text.rstrip()}", soft_wrap=True, highlight=False, markup=False)
 
 
-def report(manifest: dict) -> None:
+TABLE_COLUMNS = [
+    "stage",
+    "module",
+    "class",
+    "op",
+    "direction",
+    "format",
+    "inputs",
+    "calls",
+    "flops",
+]
+
+
+def table_rows(manifest: dict) -> list[list]:
+    """Every matmul of the manifest, one row each, for a tracker's table."""
+    return [
+        [
+            stage["mode"],
+            name,
+            entry["class"],
+            *(o[k] for k in ("op", "direction", "format")),
+            "/".join(o["inputs"]),
+            o["calls"],
+            o["flops"],
+        ]
+        for stage in manifest["stages"]
+        for name, entry in stage["modules"].items()
+        for o in entry["ops"]
+    ]
+
+
+def report(manifest: dict, log) -> None:
+    """The plan's mismatches as warnings; the manifest as a table for the tracker (`log`: the
+    run's RunLog)."""
     for mismatch in manifest["mismatches"]:
         console.say(f"[yellow]warning:[/] precision manifest: {escape(mismatch)}")
+    log.log_table("precision_manifest", TABLE_COLUMNS, table_rows(manifest))
