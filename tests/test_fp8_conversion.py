@@ -11,10 +11,12 @@ import peft
 import pytest
 import torch
 import transformers
+from omegaconf import OmegaConf
 
 from runner.export import export
 from runner.precision import Precision
 from runner.run import build, run
+from runner.train.convert import convert_precision
 from tests.helpers import load_last
 from tests.test_hf import causal_lm_on_text, hf, tiny_gpt2_and_text
 
@@ -182,3 +184,22 @@ def test_frozen_conv1ds_stay_frozen_and_checkpoints_hold_gpt2s_own_layout(tmp_pa
     assert bf16["status"] == "completed" and bf16["steps"] == 4
     resumed = run(_cfg(gpt2, mode, freeze, *across), tmp_path / "resumed")
     assert resumed["final_loss"] == whole["final_loss"]
+
+
+def test_an_fp16_master_checkpoint_resumes_in_fp8(tmp_path, gpt2):
+    """Its fp32 masters (in GPT-2's Conv1D layout, as every checkpoint) go into the converted
+    Linears' weights, each in its place (c_proj's square weight too), and the run goes on."""
+    run(_cfg(gpt2, "fp16_master"), tmp_path / "fp16")
+    last = tmp_path / "fp16" / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    cfg = _cfg(gpt2, "fp8", f"trainer.resume={last}", "trainer.resume_across_precision=true")
+    task, precision, _ = _prepared(cfg)
+    task.load_state_dict(state["model"])
+    convert_precision(state, task, precision, allowed=True)
+    # fp16_master's masters: one per weight it held in fp16, in the model's order
+    owners = [n for n, _ in task.named_parameters() if state["model"][n].dtype == torch.float16]
+    weights, masters = task.state_dict(), state["master_weights"]
+    assert any(weights[n].shape == (32, 32) for n in owners)  # attn.c_proj: square
+    assert all(torch.equal(weights[n], m) for n, m in zip(owners, masters, strict=True))
+    resumed = run(OmegaConf.merge(cfg, {"trainer": {"max_steps": 3}}), tmp_path / "fp8")
+    assert resumed["status"] == "completed" and resumed["steps"] == 3
