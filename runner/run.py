@@ -156,13 +156,6 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         }
         plan.started()
         summary |= trainer.fit()
-        held = manifest.build(
-            trainer.meter.audited_steps,
-            plan,
-            getattr(summary.get("precision_truth"), "parameters", None),
-        )
-        summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
-        manifest.report(held, log)
         summary["cpu_kernels"] = precision.cpu_kernels
         summary |= precision.memory(task)
         summary["memory"] = trainer_memory(trainer)
@@ -187,9 +180,20 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
                 "fp8_flops_per_step": fp8_flops,
                 "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
             }
+        evaluated: dict = {}  # the fp32 evaluation's first batch, as the manifest records it
         if ranks.main:  # the final weights in each precision of runner.eval_precisions
             masters = precision.master.masters  # fp16_master: the weights are these
-            summary |= evaluate_precisions(trainer.evaluation, cfg.runner.eval_precisions, masters)
+            summary |= evaluate_precisions(
+                trainer.evaluation, cfg.runner.eval_precisions, masters, evaluated
+            )
+        held = manifest.build(
+            trainer.meter.audited_steps,
+            plan,
+            getattr(summary.get("precision_truth"), "parameters", None),
+            evaluated,
+        )
+        summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
+        manifest.report(held, log)
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from runner.answers import inference
 from runner.precision import Precision, cpu_kernels, islands
 from runner.precision.fp8 import Fp8Linears
 from runner.run import run
@@ -215,3 +216,26 @@ def test_each_stage_of_a_staged_run_is_held_against_its_mode(tmp_path):
     assert {o["format"] for o in ops(summary, 0)} == {"fp32"}
     assert {o["format"] for o in ops(summary, 1)} == {"bf16"}
     assert summary["plan_held"] is True
+
+
+@pytest.mark.parametrize("mode", ["bf16_true", "fp8"])
+def test_the_fp32_evaluation_computes_in_fp32_only(tmp_path, monkeypatch, mode):
+    """runner.eval_precisions' fp32 row after bf16_true (norms cast) and fp8 (converted Linears):
+    every matmul and every module's output in fp32. A reference copied from the trained model
+    (its casts and fp8 layers with it) breaks the plan, and its eval loss moves."""
+    cfg = gpt2(tmp_path, f"precision={mode}", "runner.eval_precisions=[fp32,bf16]")
+    summary = run(cfg(), tmp_path / "weights")
+    evaluation = summary["precision_manifest"]["evaluation"]["fp32"]["modules"]
+    formats = {o["format"] for entry in evaluation.values() for o in entry["ops"]}
+    assert formats == {"fp32"}
+    assert summary["plan_held"] is True
+
+    monkeypatch.setattr(inference, "trained_weights", lambda task, masters: task)
+    copied = run(cfg(), tmp_path / "copied")
+    assert copied["plan_held"] is False
+    assert any(
+        m.startswith("the fp32 evaluation (runner.eval_precisions) computes in fp32;")
+        for m in copied["precision_manifest"]["mismatches"]
+    )
+    loss = summary["eval_precisions"]["fp32"]["metrics"]["eval_loss"]
+    assert copied["eval_precisions"]["fp32"]["metrics"]["eval_loss"] != loss

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from runner.errors import first_line
+from runner.measure import manifest
 from runner.precision import islands, layers
 from runner.precision.fp8 import _carry
 from runner.task import DISTRIBUTION, Task
@@ -179,16 +180,24 @@ class Deployed(Variant):
     failed: str | None = None
     finite: torch.Tensor | bool = True  # every prediction so far, on the device
     gap: Gap = field(default_factory=Gap)
+    recorded: dict | None = None  # the reference's: its first batch's matmuls, filled there
 
     def evaluate(self, index: int, batch) -> Predictions | None:
         if self.failed:
             return None
         device = next(iter(batch.values())).device
+        # the reference's first batch, for the precision manifest: what it really computed in
+        audited = self.name == REFERENCE and self.recorded is not None and index == 0
         try:
             # The same random draws (a GAN's noise) for every precision: batch by batch
-            with torch.random.fork_rng([device] if device.type == "cuda" else []):
+            with (
+                torch.random.fork_rng([device] if device.type == "cuda" else []),
+                manifest.recording(self.task) if audited else contextlib.nullcontext() as seen,
+            ):
                 torch.manual_seed(index)
                 predictions = super().evaluate(index, batch)
+            if audited:
+                self.recorded |= seen
         except Exception as e:
             self.failed = first_line(e)
             return None
@@ -224,16 +233,19 @@ def evaluate_precisions(
     evaluation: Evaluation,
     names: Sequence[str],
     masters: Mapping[nn.Parameter, nn.Parameter] | None = None,
+    recorded: dict | None = None,
 ) -> dict:
     """summary.json's `eval_precisions`: {precision: its row}, fp32 (the reference: the trained
     weights, `masters` where the mode keeps fp32 masters, `trained_weights`) first; {} where
-    none are asked for or there is no validation data."""
+    none are asked for or there is no validation data. `recorded`: filled with the reference's
+    first batch as the precision manifest records it (its matmuls, its modules' outputs)."""
     loader = evaluation.data.val_loader(evaluation.limit_val_batches) if names else None
     if loader is None:
         return {}
     reference = trained_weights(evaluation.task, masters or {})
     order = [REFERENCE, *(n for n in dict.fromkeys(names) if n != REFERENCE)]
     variants = [_deployed(name, reference) for name in order]
+    variants[0].recorded = recorded
 
     def compare(predictions: list[Predictions | None]) -> None:
         if predictions[0] is None:

@@ -16,9 +16,10 @@ one line; `plan_held` is False where there is one."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -71,6 +72,7 @@ class ModuleStack:
         # A forward that gradient checkpointing recomputes is entered apart: it may stop early,
         # once it has recomputed what backward needs, and never leave the modules it entered.
         self.recomputed: dict[str, int] = {}
+        self.outputs: dict[str, set[str]] = defaultdict(set)  # module → its outputs' dtypes
         self.weights = WeakTensorKeyDictionary()  # tensor → the module name it is a weight of
         self._handles: list = []
 
@@ -136,7 +138,7 @@ class ModuleStack:
         needing = [t for t in _tensors(args) if t.requires_grad]
         if not needing:
             needing = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if needing:
+        if needing and torch.is_grad_enabled():
             leave = lambda *_: self._leave(name)  # noqa: E731
             self._handles.append(torch.autograd.graph.register_multi_grad_hook(needing, leave))
 
@@ -148,12 +150,13 @@ class ModuleStack:
         # reentrant checkpoint's own backward), into the modules running in backward.
         self._leave(name, self.recomputed if recomputing() else None)
         inputs = _tensors(args)
+        self.outputs[name] |= {short(t.dtype) for t in _tensors(output) if t.is_floating_point()}
         # an output that is an input (a Dropout with p=0) has its gradient when the input does:
         # entering there would never be left
         needing = [
             t for t in _tensors(output) if t.requires_grad and not any(t is i for i in inputs)
         ]
-        if needing:
+        if needing and torch.is_grad_enabled():
             enter = lambda *_: self._enter(name)  # noqa: E731
             self._handles.append(
                 torch.autograd.graph.register_multi_grad_hook(needing, enter, mode="any")
@@ -268,6 +271,21 @@ class MatmulLog:
         ]
 
 
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[dict]:
+    """Records what runs inside (an evaluation pass): yields {ops, outputs}, filled on exit with
+    each matmul's record and each module's output dtypes."""
+    from runner.measure.flops import PrecisionAudit  # flops.py's audit takes this module's log
+
+    stack = ModuleStack(model)
+    matmuls = MatmulLog(stack)
+    recorded: dict = {}
+    with stack, PrecisionAudit(matmuls):
+        yield recorded
+        outputs = {name: sorted(dtypes) for name, dtypes in stack.outputs.items()}
+    recorded |= {"ops": matmuls.records(), "outputs": outputs}
+
+
 # --- the plan -------------------------------------------------------------------------------
 
 
@@ -377,6 +395,27 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
     return mismatches, notes
 
 
+EVALUATION = "the fp32 evaluation (runner.eval_precisions)"
+
+
+def _evaluation_mismatches(recorded: dict) -> list[str]:
+    """The fp32 row of runner.eval_precisions computes in fp32 only: every matmul, and every
+    module's output (norm layers included)."""
+    out = []
+    for r in recorded["ops"]:
+        if r["format"] != "fp32" or r["inputs"] != ["fp32"]:
+            where = f"{r['module'] or 'the model'}'s {r['op']}"
+            out.append(
+                f"{EVALUATION} computes in fp32; {where} ran in {r['format']} on {'/'.join(r['inputs'])}"
+            )
+    for name, dtypes in recorded["outputs"].items():
+        if set(dtypes) - {"fp32", "fp64"}:
+            out.append(
+                f"{EVALUATION} computes in fp32; {name or 'the model'} output {'/'.join(dtypes)}"
+            )
+    return out
+
+
 def _parameter_mismatches(params: dict[str, dict], plan: Plan) -> list[str]:
     out = []
     for name in sorted(plan.frozen):
@@ -393,9 +432,16 @@ def _parameter_mismatches(params: dict[str, dict], plan: Plan) -> list[str]:
     return out
 
 
-def build(stages: list[dict], plan: Plan, truth_rows: dict[str, dict] | None) -> dict:
-    """The manifest of the run (its audited steps, one per precision stage), held against the
-    plan: `modules`, `by_class`, `parameters`, `mismatches`, `plan_held`."""
+def build(
+    stages: list[dict],
+    plan: Plan,
+    truth_rows: dict[str, dict] | None,
+    evaluation: dict | None = None,
+) -> dict:
+    """The manifest of the run (its audited steps, one per precision stage; `evaluation`: the
+    record of runner.eval_precisions' fp32 row on its first batch), held against the plan:
+    `stages` (modules, by_class), `parameters`, `evaluation`, `mismatches`, `notes`,
+    `plan_held`."""
     end = digests(plan.model)
     truth_rows = truth_rows or {}
     params = {}
@@ -412,6 +458,8 @@ def build(stages: list[dict], plan: Plan, truth_rows: dict[str, dict] | None) ->
         mismatches += broken
         notes += above
     mismatches += _parameter_mismatches(params, plan)
+    if evaluation:
+        mismatches += _evaluation_mismatches(evaluation)
     mismatches = list(dict.fromkeys(mismatches))
     return {
         "stages": [
@@ -424,6 +472,11 @@ def build(stages: list[dict], plan: Plan, truth_rows: dict[str, dict] | None) ->
             for s in stages
         ],
         "parameters": params,
+        **(
+            {"evaluation": {"fp32": {"modules": _by_module(evaluation["ops"])}}}
+            if evaluation
+            else {}
+        ),
         "mismatches": mismatches,
         "notes": list(dict.fromkeys(notes)),
         "plan_held": not mismatches,
