@@ -22,7 +22,7 @@ from runner.measure.health import fp16_health
 from runner.measure.memory import trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
-from runner.tracking import RunLog, finished_summary, open_tracker
+from runner.tracking import RunLog, finished_summary, open_tracker, require_unchanged
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
 from runner.train.telemetry import reset_peak_memory
@@ -67,6 +67,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     if state and state["step"] >= cfg.trainer.max_steps:
         # A requeued job whose run had finished: it ends at once, and nothing is rewritten.
         if done := finished_summary(out, state["step"]):
+            require_unchanged(resume[0], state, cfg)  # overrides it would not apply: refused
             console.say(
                 f"{resume[0]} is at step {state['step']}: the run had finished "
                 f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"

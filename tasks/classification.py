@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import datasets
 import numpy as np
 import torch
@@ -64,7 +66,7 @@ class MLPClassifier(Task):
         hidden_size: int,
         num_layers: int,
         dropout: float,
-        activation: str = "gelu",
+        activation: Literal["gelu", "fp32_softplus"] = "gelu",  # checked in preflight too
     ):
         super().__init__()
         require_kind(data, "vectors", "mlp")

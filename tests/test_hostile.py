@@ -3,6 +3,8 @@ traceback, and nothing lost. Checked before the first job of a command line star
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -82,6 +84,15 @@ def eight_features() -> TensorDataset:
         # a sweep: every job checked before the first starts, devices and imports too
         (["-m", *MLP, "trainer.device=cpu,cuda:7"], "trainer.device=cuda:7 but CUDA is not"),
         ([*MLP, "optim.optimizer._target_=no.such.Optimizer"], "optim.optimizer._target_=no.such"),
+        (
+            [*MLP, "optim.optimizer._target_=torch.optim.Nope"],
+            "_target_=torch.optim.Nope cannot be imported: No module named 'torch.optim.Nope'",
+        ),
+        # a task's own choices (its constructor's Literal annotation), in every job of a sweep
+        (["-m", *MLP, "model.activation=gelu,relu"], "model.activation='relu' is invalid: allowed"),
+        # a checkpoint that cannot be there, found before anything is built
+        ([*MLP, f"trainer.resume=/tmp/{'x' * 300}.pt"], "no checkpoint there (File name too long)"),
+        ([*MLP, "trainer.resume=/no/such/last.pt"], "is invalid: no checkpoint there: a path"),
         # messages that say what is allowed
         (
             [*MLP, "precision=staged", "precision.stages=[{mode:fp32,until:3},{mode:bf16}]"],
@@ -96,6 +107,32 @@ def test_a_hostile_value_is_one_line_naming_the_key_before_anything_runs(args, m
         preflight(args)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert len(str(e.value)) < 400
+
+
+def test_an_unimportable_target_is_said_once(caplog):
+    """Not Hydra's error chain logged first ("Error getting object at ... Are you sure ...")."""
+    with pytest.raises(UserError):
+        preflight([*MLP, "optim.optimizer._target_=torch.optim.Nope"])
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("hydra")] == []
+
+
+def test_a_finished_run_rerun_with_other_values_is_refused_and_left_as_it_was(tmp_path):
+    """trainer.resume=auto on a finished run: its summary where the values are the run's; where
+    they are not (a model, a precision), none would apply: refused, as an unfinished run's
+    resume refuses a model or a precision its checkpoint does not fit."""
+    steps = [*TINY_MLP, "trainer.max_steps=2", "trainer.val_check_interval=0"]
+    run(make_cfg(*steps), tmp_path)
+    files = ("summary.json", "metrics.jsonl", "checkpoints/last.pt")
+    before = {name: (tmp_path / name).read_bytes() for name in files}
+    for change, said in (
+        ("model.hidden_size=32", "model.hidden_size=32 (it ran: 64) would not apply"),
+        ("precision=fp16_master", "precision.mode=fp16_master (it ran: fp32)"),
+    ):
+        with pytest.raises(UserError, match=re.escape(said)) as e:
+            run(make_cfg(*steps, "trainer.resume=auto", change), tmp_path)
+        assert "is at step 2: the run had finished" in str(e.value)
+    assert run(make_cfg(*steps, "trainer.resume=auto"), tmp_path)["steps"] == 2
+    assert {name: (tmp_path / name).read_bytes() for name in files} == before
 
 
 def test_a_path_through_a_file_is_refused_before_hydra_makes_its_folder(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from runner.errors import UserError
+from runner.tracking import flat_config
 
 # Keys that say how a job was run, not what it ran: left out of its identity.
 BOOKKEEPING = (
@@ -45,16 +46,6 @@ class Job:
         return self.summary.get("precision") or self.config.get("precision", {}).get("mode", "?")
 
 
-def _flat(config, prefix: str = "") -> dict[str, str]:
-    """A config's leaves by dotted key, each value as JSON (lists are leaves)."""
-    if not isinstance(config, dict):
-        return {prefix: json.dumps(config, sort_keys=True)}
-    flat = {}
-    for key, value in config.items():
-        flat |= _flat(value, f"{prefix}{key}" if not prefix else f"{prefix}.{key}")
-    return flat
-
-
 def _overridden(job: Job) -> set[str]:
     """The dotted keys its command line set (`a.b=1`, `+a.b=1`, `++a.b=1`)."""
     return {o.lstrip("+~").partition("=")[0] for o in job.overrides}
@@ -70,7 +61,7 @@ def identify(jobs: list[Job]) -> None:
     flats = [
         {
             k: v
-            for k, v in _flat(j.config).items()
+            for k, v in flat_config(j.config).items()
             if not any(k == b or k.startswith(b + ".") for b in BOOKKEEPING)
         }
         for j in jobs

@@ -91,7 +91,7 @@ def check_buildable(cfg) -> None:
     with `++` is one line here, not an error from the constructor or a key nothing reads)."""
     import inspect
 
-    from hydra.utils import get_object
+    from hydra._internal.utils import _locate
     from omegaconf import OmegaConf
 
     from runner.precision.caps import resolve_device
@@ -107,16 +107,17 @@ def check_buildable(cfg) -> None:
             target = node.get("_target_")
             if not isinstance(target, str):
                 continue
-            try:
-                built = get_object(target)
-            except Exception as e:
+            try:  # not hydra.utils.get_object: it logs Hydra's whole error chain first
+                built = _locate(target)
+            except Exception as e:  # the ImportError that Hydra's "Error loading ..." wraps
                 raise UserError(
-                    f"{path}._target_={target} cannot be imported: {one_line(e)}"
+                    f"{path}._target_={target} cannot be imported: {first_line(e.__cause__ or e)}"
                 ) from None
             try:
                 params = inspect.signature(built).parameters.values()
             except (TypeError, ValueError):  # no signature to read (a builtin)
                 continue
+            _check_choices(path, node, built)
             if any(p.kind is p.VAR_KEYWORD for p in params):
                 continue
             names = {p.name for p in params if p.kind is not p.VAR_POSITIONAL}
@@ -126,3 +127,27 @@ def check_buildable(cfg) -> None:
                 raise UserError(
                     f"{path}.{unknown[0]} is not a key {target} takes (it takes: {takes})"
                 )
+
+
+def _check_choices(path: str, node, built) -> None:
+    """A value of the node against its parameter's `Literal[...]` annotation, where the target
+    has one (`activation: Literal["gelu", "fp32_softplus"]`): a task's choices are checked in
+    every job of a sweep before the first trains, not when that job builds its model."""
+    import inspect
+    from typing import Literal, get_args, get_origin
+
+    from runner.config.rules import require
+
+    try:
+        params = inspect.signature(built, eval_str=True).parameters.values()
+    except Exception:  # an annotation that does not evaluate: the constructor checks it
+        return
+    for p in params:
+        if get_origin(p.annotation) is Literal and p.name in node:
+            value, allowed = node[p.name], get_args(p.annotation)
+            require(
+                value in allowed,
+                f"{path}.{p.name}",
+                value,
+                f"allowed: {', '.join(map(str, allowed))}",
+            )

@@ -52,6 +52,19 @@ def _validate_stages(stages) -> None:
             previous = stage.until_step
 
 
+def _validate_resume(spec: str | None) -> None:
+    """trainer.resume: null, auto, or a checkpoint that is there (a file, or a sharded set's
+    folder), so that a path that cannot be read fails before anything is built."""
+    if spec in (None, "", "auto"):
+        return
+    why = ""
+    try:
+        there = Path(spec).expanduser().exists()
+    except OSError as e:  # a name longer than the filesystem allows, ...
+        there, why = False, f" ({e.strerror})"
+    require(there, "trainer.resume", spec, f"no checkpoint there{why}: a path to one, or auto")
+
+
 def _validate_fp8(p) -> None:
     """precision.fp8 under mxfp8: the skip rules are shared, fp8's recipe and all-gather are not;
     a staged run converts its Linears once, so to one of the two formats."""
@@ -124,6 +137,7 @@ def validate(cfg: DictConfig) -> None:
         "allowed: auto, cpu, cuda, cuda:N, mps",
     )
     require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
+    _validate_resume(t.resume)
     refusal = MODES[p.mode].fsdp_refusal if p.mode in MODES else None
     require(not (t.strategy == "fsdp" and refusal), "precision.mode", p.mode, refusal or "")
     require(
