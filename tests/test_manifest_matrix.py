@@ -1,0 +1,686 @@
+"""The combination matrix of issue 29 §3, checked by the precision manifest: precision modes ×
+features × models, pairwise (every (mode, feature), (mode, model) and (feature, model) pair in at
+least one cell), generated here by a small greedy all-pairs search. Every cell runs a tiny model
+for two steps and holds the manifest's invariants (the plan held, no mismatch, every op in a
+known format, islands fp32 in every direction, fp8's converted Linears in fp8 and its skipped
+ones not, frozen parameters unchanged and without optimizer state), plus one fact per feature
+read from outside the runner's own report (the checkpoint, metrics.jsonl, a forward hook, the
+exported adapters loaded by peft). A combination the runner refuses by design is a cell too: it
+asserts the refusal is one clear line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from runner.errors import UserError
+from runner.export import export
+from runner.precision import Precision
+from runner.run import run
+from tests.helpers import load_last, make_cfg, read_metrics
+from tests.test_distributed import WORLD, run_ranks
+from tests.test_hf import NEUTRAL, POSITIVE, _tokenizer
+
+HERE = "tests.test_manifest_matrix"
+MODES = ["fp32", "bf16", "fp16", "fp16_master", "bf16_true", "fp8", "mxfp8", "staged"]
+FEATURES = [
+    "none",
+    "freeze",
+    "lora",
+    "islands",
+    "auto_islands",
+    "fp32_head",
+    "keep_bf16",
+    "eval_precisions",
+    "resume",
+    "resume_other",
+    "export",
+    "checkpointing",
+    "compile",
+    "ddp",
+    "fsdp",
+]
+MODELS = ["net", "gpt2", "llama", "bert"]  # the user's net first: the cheapest wins ties
+RANKS = ("ddp", "fsdp")
+FP8 = ("fp8", "mxfp8")
+STAGES = "precision.stages=[{mode:fp32,until_step:1},{mode:bf16}]"
+# resume_other: the mode a checkpoint of the cell's mode is resumed in (each weight layout and
+# dtype a mode holds is read by another: bf16_true's and fp16_master's casts, fp8's Linears)
+PARTNER = {
+    "fp32": "bf16_true",
+    "bf16": "fp8",
+    "fp16": "fp16_master",
+    "fp16_master": "bf16",
+    "bf16_true": "fp32",
+    "fp8": "fp16_master",
+    "mxfp8": "bf16_true",
+    "staged": "fp16",
+}
+WEIGHTS = {"fp16_master": torch.float16, "bf16_true": torch.bfloat16}  # else fp32
+KNOWN_FORMATS = {"fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8"}
+OPERAND = re.compile(r"(fp32|fp64|bf16|fp16|fp8 e(4m3|5m2)( \w+)?|mxfp8 e(4m3|5m2) block \d+)$")
+# Cells the generator must hold: the combinations issue 29 §4 found broken, and an fp16 island
+# search on the net with an overflowing layer (elsewhere a healthy model needs no island).
+REQUIRED = [
+    ("fp8", "lora", "gpt2"),
+    ("mxfp8", "freeze", "gpt2"),
+    ("fp8", "islands", "gpt2"),
+    ("fp8", "resume_other", "gpt2"),
+    ("bf16_true", "eval_precisions", "llama"),
+    ("fp8", "eval_precisions", "net"),
+    ("fp16", "auto_islands", "net"),
+]
+
+
+def all_pairs(factors: list[list[str]], required: list[tuple] = ()) -> list[tuple[str, ...]]:
+    """A covering array of strength 2: the `required` cells, then greedily the candidate (in
+    product order, the first on a tie) that covers the most pairs not yet covered."""
+
+    def pairs(cell: tuple) -> set[tuple]:
+        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(len(cell)), 2)}
+
+    candidates = list(itertools.product(*factors))
+    uncovered = set().union(*map(pairs, candidates))
+    cells: list[tuple] = []
+    for cell in [*required, None]:
+        while cell is None and uncovered:
+            best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+            cells.append(best)
+            uncovered -= pairs(best)
+        if cell is not None:
+            cells.append(cell)
+            uncovered -= pairs(cell)
+    return cells
+
+
+CELLS = all_pairs([MODES, FEATURES, MODELS], REQUIRED)
+
+
+def refusal(mode: str, feature: str) -> str | None:
+    """The line (a regular expression) a cell the runner refuses by design fails with."""
+    if feature == "fsdp" and mode in ("fp16_master", "bf16_true"):
+        return rf"precision.mode='{mode}' is invalid: with trainer.strategy=fsdp use precision="
+    if feature == "auto_islands" and mode == "fp32":
+        return "the fp32 islands search needs a low-precision mode: precision=fp32 computes in fp32"
+    return None
+
+
+def cell_id(cell: tuple) -> str:
+    return "-".join(cell)
+
+
+# --- the models ---------------------------------------------------------------------------
+
+
+class OwnRMSNorm(nn.Module):
+    """The user's own norm class: not torch's, found by its name."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class Loud(nn.Linear):
+    """A Linear whose output is × 1e5: past fp16's 65504 (the island search's culprit)."""
+
+    def forward(self, x):
+        return super().forward(x) * 1e5
+
+
+class Net(nn.Module):
+    """A user's net: three blocks (FSDP's units) of a Linear (32-wide: mxfp8's multiple) and
+    its own norm, and a head. The first Linear and the head are fp8's first and last (skipped);
+    blocks.1.0 and blocks.2.0 convert. `loud`: blocks.1.0 overflows fp16."""
+
+    def __init__(self, width: int = 32, features: int = 8, outputs: int = 3, loud: bool = False):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            *(
+                nn.Sequential(
+                    (Loud if loud and i == 1 else nn.Linear)(features if i == 0 else width, width),
+                    OwnRMSNorm(width),
+                )
+                for i in range(3)
+            )
+        )
+        self.head = nn.Linear(width, outputs)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def net_data(n: int = 256, seed: int = 0):
+    from tests.test_own_model import pairs
+
+    return pairs(n, seed)
+
+
+TINY = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Tiny two-layer HF models (BERT classifier, GPT-2, Llama) saved with save_pretrained, a
+    corpus and a review table: made once per module (per xdist worker)."""
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    out = {}
+    for name in ("bert", "gpt2", "llama"):
+        folder = out[name] = root / name
+        vocab = len(_tokenizer(folder))
+        if name == "bert":
+            config = transformers.BertConfig(
+                vocab_size=vocab, num_labels=2, num_hidden_layers=2, **TINY
+            )
+            transformers.BertForSequenceClassification(config).save_pretrained(folder)
+        elif name == "gpt2":
+            config = transformers.GPT2Config(
+                vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64
+            )
+            transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+        else:
+            config = transformers.LlamaConfig(
+                vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, **TINY
+            )
+            transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    rng = random.Random(0)
+    out["corpus"] = root / "corpus.txt"
+    out["corpus"].write_text("\n".join(" ".join(rng.choices(NEUTRAL, k=30)) for _ in range(40)))
+    for split, n in (("train", 64), ("validation", 16)):
+        rows = ["review,sentiment"]
+        for _ in range(n):
+            words = rng.choices(NEUTRAL, k=6) + [rng.choice(POSITIVE + ["bad", "poor"])]
+            rows.append(f"{' '.join(words)},{'pos' if words[-1] in POSITIVE else 'neg'}")
+        (root / f"{split}.csv").write_text("\n".join(rows) + "\n")
+    out["reviews"] = root
+    return out
+
+
+QUIET = ["trainer.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1"]
+# name: (freeze prefix, LoRA targets, explicit island, output head, a big weight, keep_bf16's block)
+SPECS = {
+    "net": ("blocks.1", "[blocks.1.0,blocks.2.0]", "net.blocks.1", "net.head", "net.blocks.1.0"),
+    "gpt2": (
+        "transformer.h.0.attn",
+        "[c_attn]",
+        "net.transformer.h.0.mlp",
+        "net.lm_head",
+        "net.transformer.h.0.mlp.c_fc",
+    ),
+    "llama": (
+        "model.layers.0.self_attn",
+        "[q_proj,v_proj]",
+        "net.model.layers.0.mlp",
+        "net.lm_head",
+        "net.model.layers.0.mlp.up_proj",
+    ),
+    "bert": (
+        "bert.encoder.layer.0.attention",
+        "[query,value]",
+        "net.bert.encoder.layer.0.output",
+        "net.classifier",
+        "net.bert.encoder.layer.0.intermediate.dense",
+    ),
+}
+
+
+def model_overrides(model: str, folders: dict[str, Path], evaluate: bool = False) -> list[str]:
+    """A tiny two-step run of `model`, evaluation off unless `evaluate`."""
+    steps = ["trainer.max_steps=2", "trainer.val_check_interval=0", *QUIET]
+    steps.append(f"trainer.limit_val_batches={2 if evaluate else 0}")
+    if model == "net":
+        out = [
+            "model=module",
+            f"model.net._target_={HERE}.Net",
+            f"dataset.train._target_={HERE}.net_data",
+            "dataset.batch_size=32",
+        ]
+        if evaluate:
+            out += [f"dataset.validation._target_={HERE}.net_data", "+dataset.validation.seed=1"]
+        return out + steps
+    common = [
+        "model=hf",
+        f"model.name_or_path={folders[model]}",
+        "dataset.seq_len=16",
+        "dataset.batch_size=4",
+    ]
+    if model == "bert":
+        reviews = folders["reviews"]
+        return [
+            *common,
+            f"dataset.data_files={reviews / 'train.csv'}",
+            f"dataset.validation_files={reviews / 'validation.csv'}",
+            "dataset.text_column=review",
+            "dataset.label_column=sentiment",
+            *steps,
+        ]
+    return [
+        *common,
+        "model.task=causal_lm",
+        "model.loss=output",
+        "dataset=text_files",
+        f"dataset.data_files={folders['corpus']}",
+        *steps,
+    ]
+
+
+def mode_overrides(mode: str) -> list[str]:
+    out = [f"precision={mode}"]
+    if mode == "staged":
+        out.append(STAGES)
+    return out
+
+
+def lora(model: str) -> list[str]:
+    # r=16: a multiple of 16, where fp8 once converted the adapters themselves (issue 29 §4)
+    return [f"model.peft={{r:16,alpha:16,target_modules:{SPECS[model][1]}}}"]
+
+
+def feature_overrides(feature: str, model: str) -> list[str]:
+    freeze, _, island, _, _ = SPECS[model]
+    return {
+        "none": [],
+        "freeze": [f"model.freeze=[{freeze}]"],
+        "lora": lora(model),
+        "export": lora(model),
+        "islands": [f"precision.fp32_modules=[{island}]"],
+        "auto_islands": [
+            "precision.fp32_modules=auto",
+            "runner.islands_steps=2",
+            "runner.islands_max=2",
+            *(["+model.net.loud=true"] if model == "net" else []),
+        ],
+        "fp32_head": ["precision.fp32_head=true"],
+        "keep_bf16": ["precision.fp8.keep_bf16.last=1"],
+        "eval_precisions": ["runner.eval_precisions=[bf16]"],
+        "checkpointing": ["model.gradient_checkpointing=true"],
+        "compile": ["trainer.compile=true"],
+        "ddp": ["trainer.strategy=ddp", "trainer.device=cpu"],
+        "fsdp": ["trainer.strategy=fsdp", "trainer.device=cpu"],
+    }.get(feature, [])
+
+
+def overrides(cell: tuple, folders, mode: str | None = None) -> list[str]:
+    cell_mode, feature, model = cell
+    return [
+        *model_overrides(model, folders, evaluate=feature == "eval_precisions"),
+        *mode_overrides(mode or cell_mode),
+        *feature_overrides(feature, model),
+    ]
+
+
+# --- watching a run from outside ------------------------------------------------------------
+
+
+class Watch:
+    """Installed on Precision.prepare: the task (after its preparation), its state before it,
+    and the output dtypes of the modules named in `hooked` (forward hooks, every pass)."""
+
+    def __init__(self, monkeypatch, hooked: list[str] = ()):
+        self.task: nn.Module | None = None
+        self.initial: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, set[torch.dtype]] = defaultdict(set)
+        self.hooked = list(hooked)
+        prepare = Precision.prepare
+
+        def watched(precision, task, fp32_modules, *args, **kwargs):
+            self.initial = {k: v.detach().clone() for k, v in task.state_dict().items()}
+            prepare(precision, task, fp32_modules, *args, **kwargs)
+            self.task = task
+            names = self.hooked or ([] if fp32_modules == "auto" else list(fp32_modules))
+            modules = dict(task.named_modules())
+            for name in names:
+                modules[name].register_forward_hook(self._record(name))
+
+        monkeypatch.setattr(Precision, "prepare", watched)
+
+    def _record(self, name: str):
+        def hook(_module, _args, output):
+            flat = torch.utils._pytree.tree_flatten(output)[0]
+            self.outputs[name] |= {
+                t.dtype for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()
+            }
+
+        return hook
+
+
+def ops(summary: dict) -> list[dict]:
+    """Every op of every audited stage, with its module's name and class."""
+    return [
+        o | {"module": name, "class": entry["class"], "stage": stage["mode"]}
+        for stage in summary["precision_manifest"]["stages"]
+        for name, entry in stage["modules"].items()
+        for o in entry["ops"]
+    ]
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(f"{prefix}.")
+
+
+def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
+    """The manifest's invariants, for a run in summary['precision'] (its last stage's mode)."""
+    assert summary["status"] == "completed", summary.get("error")
+    manifest = summary["precision_manifest"]
+    assert manifest["mismatches"] == [] and summary["plan_held"] is True, manifest["mismatches"]
+    seen = ops(summary)
+    assert seen, "the manifest recorded no op"
+    for o in seen:
+        assert o["format"] in KNOWN_FORMATS, o
+        assert all(OPERAND.match(f) for f in o["inputs"]), o
+    for island in islands:
+        mine = [o for o in seen if under(o["module"], island)]
+        assert mine, f"the island {island} ran no recorded op"
+        assert {(o["format"], tuple(o["inputs"])) for o in mine} == {("fp32", ("fp32",))}, mine
+        assert {"forward", "weight_grad"} <= {o["direction"] for o in mine}, mine
+    if summary.get("fp8"):
+        fp8 = summary["fp8"]
+        assert fp8["converted"], fp8  # every model here has an aligned Linear to convert
+        low = {o["module"] for o in seen if o["format"] in FP8}
+        assert low, "a converted Linear, but no op ran in fp8"
+        assert low <= set(fp8["converted"]), low - set(fp8["converted"])
+        for skipped in fp8["skipped"]:
+            assert skipped not in low, f"{skipped} is skipped ({fp8['skipped'][skipped]}) yet ran fp8"
+    for name, p in manifest["parameters"].items():
+        if not p["trainable"]:
+            assert p["changed"] is False and not p["optimizer_state"], (name, p)
+
+
+def refused(cfg_overrides: list[str], pattern: str, out: Path) -> None:
+    with pytest.raises(UserError) as caught:
+        run(make_cfg(*cfg_overrides), out)
+    line = str(caught.value)
+    assert "\n" not in line and line.strip() == line, line
+    assert re.search(pattern, line), line
+
+
+def weights_dtype(mode: str) -> torch.dtype:
+    return WEIGHTS.get(mode, torch.float32)
+
+
+# --- the distributed cells: one launch of two ranks for all of them ---------------------------
+
+
+DISTRIBUTED = [c for c in CELLS if c[1] in RANKS and refusal(*c[:2]) is None]
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory, folders):
+    """Every DDP and FSDP cell, in one pair of rank processes (one start-up for all): per cell,
+    its run folder and its ranks' reports, or the failure that stopped them."""
+    root = tmp_path_factory.mktemp("ranks")
+    jobs = [(overrides(c, folders), root / cell_id(c)) for c in DISTRIBUTED]
+    for _, folder in jobs:
+        folder.mkdir()
+    try:
+        run_ranks(jobs)
+        failure = None
+    except AssertionError as e:  # a failed job stops the ranks: the cells after it fail too
+        failure = e
+    return root, failure
+
+
+# --- the matrix -----------------------------------------------------------------------------
+
+
+def test_the_matrix_covers_every_pair():
+    for (i, a), (j, b) in itertools.combinations(enumerate([MODES, FEATURES, MODELS]), 2):
+        seen = {(c[i], c[j]) for c in CELLS}
+        assert not [p for p in itertools.product(a, b) if p not in seen], (i, j)
+    assert len(set(CELLS)) == len(CELLS)
+    assert set(REQUIRED) <= set(CELLS)
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param(c, marks=[pytest.mark.xdist_group("ranks")] if c in DISTRIBUTED else [])
+        for c in CELLS
+    ],
+    ids=[cell_id(c) for c in CELLS],
+)
+def test_cell(cell, folders, tmp_path, monkeypatch, request):
+    mode, feature, model = cell
+    out = tmp_path / "run"
+    why = refusal(mode, feature)
+    if why is not None:
+        refused(overrides(cell, folders), why, out)
+        return
+    if feature in RANKS:
+        check_ranks(cell, *request.getfixturevalue("rank_runs"))
+        return
+    CHECKS.get(feature, check_plain)(cell, folders, out, monkeypatch)
+
+
+def check_ranks(cell, root: Path, failure) -> None:
+    folder = root / cell_id(cell)
+    if not (folder / "summary.json").exists():
+        raise AssertionError(f"no summary: the rank processes stopped ({failure})")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert_manifest(summary)
+    assert summary["world_size"] == WORLD
+    reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [r["outcome"] for r in reports] == ["completed"] * WORLD
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2]
+
+
+def check_plain(cell, folders, out, monkeypatch) -> None:
+    """none (and keep_bf16 outside fp8): trains two finite steps, the checkpoint in the mode's
+    weight dtype."""
+    mode, feature, model = cell
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    big = f"{SPECS[model][4]}.weight"
+    assert load_last(out)["model"][big].dtype == weights_dtype(summary["precision"])
+    if feature == "keep_bf16":  # outside fp8 and mxfp8 it has no Linear to keep: nothing converts
+        assert "fp8" not in summary
+        assert not any(o["format"] in FP8 for o in ops(summary))
+        assert all(type(m).__module__.split(".")[0] != "torchao" for m in watch.task.modules())
+
+
+def check_freeze(cell, folders, out, monkeypatch) -> None:
+    """model.freeze: the frozen tensors byte-identical in the checkpoint to their initial values
+    (in the dtype the mode holds them in), the others moved."""
+    mode, _, model = cell
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    prefix = f"net.{SPECS[model][0]}."
+    params = summary["precision_manifest"]["parameters"]
+    frozen = {n for n, p in params.items() if not p["trainable"]}
+    assert frozen and frozen == {n for n in params if n.startswith(prefix)}
+    saved = load_last(out)["model"]
+    for name in frozen:
+        assert torch.equal(saved[name], watch.initial[name].to(saved[name].dtype)), name
+    trained = [n for n in params if n not in frozen and n in saved and saved[n].dim() == 2]
+    assert any(not torch.equal(saved[n], watch.initial[n].to(saved[n].dtype)) for n in trained)
+
+
+def check_lora(cell, folders, out, monkeypatch) -> dict:
+    """model.peft: only the adapters train; the base is left out of the checkpoint or
+    byte-identical there; LoRA's B (zero at the start) moved."""
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    params = summary["precision_manifest"]["parameters"]
+    assert {n for n, p in params.items() if p["trainable"]} == {n for n in params if ".lora_" in n}
+    saved = load_last(out)["model"]
+    for name, value in saved.items():
+        if ".lora_" not in name:
+            assert torch.equal(value, watch.initial[name].to(value.dtype)), name
+    moved = [k for k, v in saved.items() if ".lora_B" in k and v.abs().max() > 0]
+    assert moved, "no adapter moved"
+    if summary.get("fp8"):  # the adapters stay in autocast's dtype (convert_adapters=false)
+        assert not [n for n in summary["fp8"]["converted"] if ".lora_" in n]
+    return summary
+
+
+def check_export(cell, folders, out, monkeypatch) -> None:
+    """runner.export: the adapters load back in peft alone, equal to the checkpoint's."""
+    import peft
+
+    model = cell[2]
+    check_lora(cell, folders, out, monkeypatch)
+    exported = export(out)
+    if model == "net":
+        base = Net()
+    elif model == "bert":
+        base = transformers.BertForSequenceClassification.from_pretrained(folders["bert"])
+    else:
+        base = transformers.AutoModelForCausalLM.from_pretrained(folders[model])
+    loaded = peft.PeftModel.from_pretrained(base, exported)
+    got = {k: v for k, v in loaded.state_dict().items() if ".lora_" in k}
+    trained = {
+        k.removeprefix("net."): v for k, v in load_last(out)["model"].items() if ".lora_" in k
+    }
+    assert set(got) == set(trained) and trained
+    for name, value in trained.items():
+        assert torch.equal(got[name], value.float()), name
+
+
+def check_islands(cell, folders, out, monkeypatch) -> None:
+    """An explicit island or fp32_head: its ops fp32 in every direction, and its output fp32
+    in every pass (a forward hook)."""
+    mode, feature, model = cell
+    _, _, island, head, _ = SPECS[model]
+    name = island if feature == "islands" else head
+    watch = Watch(monkeypatch, [name])
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    if feature == "fp32_head":
+        assert summary["fp32_head"] == name
+    assert_manifest(summary, [name])
+    assert watch.outputs[name] == {torch.float32}, watch.outputs[name]
+    if summary.get("fp8"):
+        converted = summary["fp8"]["converted"]
+        assert not [c for c in converted if under(c, name)], converted
+
+
+def check_auto_islands(cell, folders, out, monkeypatch) -> None:
+    """precision.fp32_modules=auto: the search's set is the run's islands (fp32 outputs, the
+    manifest's fp32 ops); fp16 on the net with an overflowing layer finds that layer."""
+    mode, _, model = cell
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    found = summary["fp32_islands"]
+    assert found["found"] is True, found
+    islands = found["fp32_modules"]
+    assert_manifest(summary, islands)
+    for name in islands:
+        assert watch.outputs[name] == {torch.float32}, (name, watch.outputs[name])
+    if model == "net" and mode in ("fp16", "fp16_master"):
+        assert "net.blocks.1.0" in islands, found
+        assert summary["skipped_steps"] == 0
+
+
+def check_keep_bf16(cell, folders, out, monkeypatch) -> None:
+    """precision.fp8.keep_bf16.last=1: the last block's Linears are skipped with that reason and
+    stay plain (the task's modules after preparation), the others convert."""
+    mode = cell[0]
+    if mode not in FP8:
+        return check_plain(cell, folders, out, monkeypatch)
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    kept = [n for n, why in summary["fp8"]["skipped"].items() if "keep_bf16.last=1" in why]
+    assert kept, summary["fp8"]["skipped"]
+    modules = dict(watch.task.named_modules())
+    for name in kept:
+        assert "torchao" not in type(modules[name]).__module__, (name, type(modules[name]))
+    for name in summary["fp8"]["converted"]:
+        assert "torchao" in type(modules[name]).__module__, (name, type(modules[name]))
+    return None
+
+
+def check_eval_precisions(cell, folders, out, monkeypatch) -> None:
+    """runner.eval_precisions=[bf16]: the fp32 reference row and the bf16 row, finite; where
+    the manifest records the fp32 row, its every op in fp32 on fp32 inputs."""
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    rows = summary["eval_precisions"]
+    assert list(rows)[:1] == ["fp32"] and "bf16" in rows, rows
+    for name in ("fp32", "bf16"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert all(math.isfinite(v) for v in rows[name]["metrics"].values()), rows[name]
+    evaluation = summary["precision_manifest"].get("evaluation")
+    if evaluation is not None:
+        recorded = [o for m in evaluation["fp32"]["modules"].values() for o in m["ops"]]
+        assert recorded and {(o["format"], tuple(o["inputs"])) for o in recorded} == {
+            ("fp32", ("fp32",))
+        }
+
+
+def check_resume(cell, folders, out, monkeypatch) -> None:
+    """One step, then a resume to two in the same folder: metrics.jsonl continues the count,
+    and the resumed run's manifest holds (resume_other: in PARTNER's mode, converted; both
+    checkpoints in their mode's dtypes and the model's own layout)."""
+    mode, feature, model = cell
+    other = PARTNER[mode] if feature == "resume_other" else mode
+    watch = Watch(monkeypatch)
+    first = run(make_cfg(*overrides(cell, folders), "trainer.max_steps=1"), out)
+    assert_manifest(first)
+    initial = watch.initial
+    written = load_last(out)
+    resumed_overrides = [*overrides(cell, folders, mode=other), "trainer.resume=auto"]
+    if other != mode:
+        resumed_overrides.append("trainer.resume_across_precision=true")
+    summary = run(make_cfg(*resumed_overrides), out)
+    assert_manifest(summary)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert summary["precision_requested"] == other
+    final = load_last(out)
+    assert final["step"] == 2
+    big = f"{SPECS[model][4]}.weight"
+    assert written["model"][big].dtype == weights_dtype(first["precision"])
+    assert final["model"][big].dtype == weights_dtype(summary["precision"])
+    for state in (written, final):  # the model's own layout, whatever the mode converts
+        assert {k: v.shape for k, v in state["model"].items()} == {
+            k: v.shape for k, v in initial.items()
+        }
+
+
+def check_checkpointing(cell, folders, out, monkeypatch) -> None:
+    """model.gradient_checkpointing: the manifest has recomputed forwards, and the hardware's
+    FLOPs exceed the model's."""
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    assert any(o["direction"] == "recompute" for o in ops(summary))
+    assert summary["hardware_flops_per_step"] > summary["flops_per_step"]
+
+
+def check_compile(cell, folders, out, monkeypatch) -> None:
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    assert summary["compiled_graphs"] >= 1
+
+
+CHECKS = {
+    "freeze": check_freeze,
+    "lora": check_lora,
+    "export": check_export,
+    "islands": check_islands,
+    "fp32_head": check_islands,
+    "auto_islands": check_auto_islands,
+    "keep_bf16": check_keep_bf16,
+    "eval_precisions": check_eval_precisions,
+    "resume": check_resume,
+    "resume_other": check_resume,
+    "checkpointing": check_checkpointing,
+    "compile": check_compile,
+}
