@@ -9,9 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from runner.measure.flops import cpu_matmul_tflops, peak_tflops
-from runner.precision import DeviceCaps
+from runner.precision import MODES, DeviceCaps, Mode
 
-MODES = ("fp32", "tf32", "fp16", "bf16")
 CPU_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
 
@@ -25,16 +24,21 @@ def report(device: torch.device, cache_dir: Path) -> Table:
     table = Table(title=f"{device}: {caps.name}", title_justify="left")
     for column in ("mode", "native", "why", "peak TFLOP/s"):
         table.add_column(column)
+    arithmetics: dict[str, Mode] = {}  # each arithmetic once, by its first mode's facts
+    for m in MODES.values():
+        arithmetics.setdefault(m.compute, m)
     rates = {}
-    for mode in MODES:
-        native, why = caps.support(mode)
-        peak = peak_tflops(caps, mode, cache_dir)
-        rates[mode] = rate = cpu_matmul_tflops(caps, mode, cache_dir)
+    for compute, m in arithmetics.items():
+        native, why = caps.support(compute)
+        peak = peak_tflops(caps, m, cache_dir)
+        rates[compute] = rate = cpu_matmul_tflops(caps, m, cache_dir)
         shown = "—" if peak is None else f"{peak:.2f}"
         if rate is not None:  # a CPU's: measured, and for an emulated mode fp32's ceiling
             shown += " (measured)" if rate == peak else f" (fp32's; its own matmuls: {rate:.3g})"
-        table.add_row(mode, "yes" if native else "no (emulated)", why, shown)
-    slower = [m for m in ("fp16", "bf16") if caps.type == "cpu" and rates[m] < rates["fp32"]]
+        table.add_row(compute, "yes" if native else "no (emulated)", why, shown)
+    slower = [  # a CPU's low-precision matmuls against its fp32 ones
+        c for c, m in arithmetics.items() if m.low_dtype and rates[c] and rates[c] < rates["fp32"]
+    ]
     mode, why = caps.best_mode()
     table.caption = f"recommended: {mode} — {why}"
     if caps.type == "cuda":

@@ -96,7 +96,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         for note in precision.kernel_notes():
             console.say(note)
         slowdown = {  # measured where the mode runs PyTorch's own emulated kernels
-            mode: emulation_slowdown(caps, mode_of(mode).compute, Path(cfg.cache_dir).expanduser())
+            mode: emulation_slowdown(caps, mode_of(mode), Path(cfg.cache_dir).expanduser())
             for _, mode, _ in precision.stages
             if not precision.emulates(mode)
         }

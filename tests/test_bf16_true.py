@@ -113,7 +113,7 @@ def test_norms_and_islands_stay_fp32_and_the_forward_casts_at_their_edges(keep_n
     assert out.dtype == torch.float32  # for the loss
     assert p.dtype is None  # no autocast
     # MFU against bf16's peak, or fp32's where the fast CPU kernels compute bf16 matmuls in fp32
-    assert p.peak_mode == ("fp32" if p.emulates("bf16_true") else "bf16")
+    assert p.peak_mode.compute == ("fp32" if p.emulates("bf16_true") else "bf16")
     p.close()
 
 

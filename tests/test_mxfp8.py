@@ -12,7 +12,7 @@ from torch import nn
 from runner.config import PrecisionConfig
 from runner.errors import UserError
 from runner.measure.flops import cpu_matmul_tflops, peak_tflops, utilisation
-from runner.precision import DeviceCaps, Precision
+from runner.precision import DeviceCaps, Precision, mode_of
 from runner.run import run
 from tests.helpers import TINY_BERT, make_cfg
 
@@ -155,8 +155,10 @@ def test_fp8s_own_keys_and_a_mix_of_formats_are_one_clear_line(tmp_path, overrid
 def test_its_peak_is_blackwells_and_a_cpu_measures_none(tmp_path):
     """A CPU has no MXFP8 kernels to time (not fp32's rate under mxfp8's name); B200's MXFP8
     runs at its fp8 rate, and its MFU is given against bf16's peak too, as fp8's."""
-    assert peak_tflops(B200, "mxfp8", tmp_path) == 4500
-    assert peak_tflops(H100, "mxfp8", tmp_path) is None
-    assert cpu_matmul_tflops(CPU, "mxfp8", tmp_path) is None
-    u = utilisation({"flops_per_step": 1125e12, "step_time_s": 1.0}, B200, "mxfp8", tmp_path)
+    assert peak_tflops(B200, mode_of("mxfp8"), tmp_path) == 4500
+    assert peak_tflops(H100, mode_of("mxfp8"), tmp_path) is None
+    assert cpu_matmul_tflops(CPU, mode_of("mxfp8"), tmp_path) is None
+    u = utilisation(
+        {"flops_per_step": 1125e12, "step_time_s": 1.0}, B200, mode_of("mxfp8"), tmp_path
+    )
     assert u["mfu"] == pytest.approx(0.25) and u["mfu_vs_bf16_peak"] == pytest.approx(0.5)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -11,8 +12,13 @@ from omegaconf import OmegaConf
 
 from runner.config import GradScalerConfig, PrecisionConfig, StageConfig
 from runner.errors import UserError
-from runner.precision import Precision
+from runner.measure import flops
+from runner.measure.flops import cpu_matmul_tflops, utilisation
+from runner.precision import DeviceCaps, Precision
+from runner.precision.modes import MODES, Mode, register
+from runner.precision.modes.fp8 import Fp8
 from runner.run import run
+from runner.train.session import prepared, trainer_timer, workspace
 from tests.helpers import TINY_BERT, TINY_MLP, cli, load_last, make_cfg, read_metrics
 
 LOG_EACH = ["trainer.log_every_n_steps=1"]
@@ -208,3 +214,49 @@ def test_fp16_master_keeps_rmsnorm_fp32_and_gives_frozen_weights_no_master():
     assert model[0].weight in masters and model[2].weight not in masters  # frozen: no copy
     assert model[2].bias in masters
     p.close()
+
+
+class Fp4Toy(Fp8):
+    """A mode from elsewhere that no runner code names: fp8-style Linears computing in a new
+    arithmetic (fp4) and bf16 autocast."""
+
+
+@pytest.fixture
+def new_modes():
+    modes = [
+        register(Mode("tf32_too", compute="tf32", tf32=True)),
+        register(
+            Fp4Toy("fp4_toy", compute="fp4", autocast=torch.bfloat16, fp8=True, mfu_also_vs="bf16")
+        ),
+    ]
+    yield {m.name: m for m in modes}
+    for m in modes:
+        del MODES[m.name]
+
+
+def test_a_registered_mode_is_honoured_by_its_attributes_not_its_name(
+    new_modes, tmp_path, monkeypatch
+):
+    """Its TF32 setting where the interleaved timing runs it (runner/train/session.py), its MFU
+    peak (its `compute`'s, also against `mfu_also_vs`'s) and, fp8-style, no CPU matmul rate."""
+    cfg = make_cfg(*TINY_MLP, "precision.mode=tf32_too", "trainer.max_steps=2")
+    with ExitStack() as stack:
+        device, data, task, log = workspace(cfg, stack)
+        variant, precision = prepared(cfg, task, device, stack)
+        fit = trainer_timer(cfg, variant, data, precision, log, 0, 1)
+        torch.set_float32_matmul_precision("highest")
+        fit()
+        assert torch.get_float32_matmul_precision() == "high"
+        assert precision.peak_mode is new_modes["tf32_too"]
+    fp4 = new_modes["fp4_toy"]
+    cpu = DeviceCaps("cpu", "a CPU")
+    assert cpu_matmul_tflops(cpu, fp4, tmp_path) is None  # none measured: torchao-style emulation
+    u = utilisation({"flops_per_step": 1e9, "step_time_s": 0.1}, cpu, fp4, tmp_path)
+    assert u["mfu"] is None and "no fp4 matmul ceiling" in u["peak_note"]
+    monkeypatch.setitem(
+        flops.GPU_PEAK_TFLOPS, "B200", flops.GPU_PEAK_TFLOPS["B200"] | {"fp4": 9000}
+    )
+    b200 = DeviceCaps("cuda", "NVIDIA B200", (10, 0))
+    u = utilisation({"flops_per_step": 2250e12, "step_time_s": 1.0}, b200, fp4, tmp_path)
+    assert u["peak_mode"] == "fp4" and u["mfu"] == pytest.approx(0.25)
+    assert u["mfu_vs_bf16_peak"] == pytest.approx(1.0) and u["mfu_vs_mode_peak"] == u["mfu"]

@@ -15,7 +15,7 @@ from runner.measure.flops import (
     peak_tflops,
     utilisation,
 )
-from runner.precision import DeviceCaps
+from runner.precision import DeviceCaps, mode_of
 from runner.run import run
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
@@ -136,10 +136,10 @@ def test_a_step_faster_than_the_peak_is_reported_not_shown(tmp_path, capsys):
 
 def test_gpu_peaks_come_from_the_datasheet_table(tmp_path):
     h200 = DeviceCaps("cuda", "NVIDIA H200", (9, 0))
-    assert peak_tflops(h200, "bf16", tmp_path) == 989.5  # 1979 with sparsity, halved
-    assert peak_tflops(h200, "tf32", tmp_path) == 494.5
-    assert peak_tflops(DeviceCaps("cuda", "Tesla T4", (7, 5)), "bf16", tmp_path) is None
-    assert peak_tflops(DeviceCaps("cuda", "Mystery GPU", (9, 0)), "fp16", tmp_path) is None
+    assert peak_tflops(h200, mode_of("bf16"), tmp_path) == 989.5  # 1979 with sparsity, halved
+    assert peak_tflops(h200, mode_of("tf32"), tmp_path) == 494.5
+    assert peak_tflops(DeviceCaps("cuda", "Tesla T4", (7, 5)), mode_of("bf16"), tmp_path) is None
+    assert peak_tflops(DeviceCaps("cuda", "Mystery GPU", (9, 0)), mode_of("fp16"), tmp_path) is None
 
 
 # What torch.cuda.get_device_name() reports, and the datasheet model each one is.
@@ -175,8 +175,8 @@ DEVICE_NAMES = [
 def test_each_device_name_resolves_to_its_own_model(name, model, tmp_path):
     assert device_model(name) == model
     caps = DeviceCaps("cuda", name, (9, 0))
-    assert peak_tflops(caps, "fp32", tmp_path) == GPU_PEAK_TFLOPS[model]["fp32"]
-    assert peak_tflops(caps, "fp16", tmp_path) == GPU_PEAK_TFLOPS[model]["fp16"]
+    assert peak_tflops(caps, mode_of("fp32"), tmp_path) == GPU_PEAK_TFLOPS[model]["fp32"]
+    assert peak_tflops(caps, mode_of("fp16"), tmp_path) == GPU_PEAK_TFLOPS[model]["fp16"]
 
 
 def test_every_model_in_the_table_has_a_device_name_that_reaches_it():
@@ -185,7 +185,7 @@ def test_every_model_in_the_table_has_a_device_name_that_reaches_it():
 
 def test_a_name_that_contains_another_models_name_gets_its_own_peak(tmp_path):
     def bf16(name: str) -> float | None:
-        return peak_tflops(DeviceCaps("cuda", name, (8, 9)), "bf16", tmp_path)
+        return peak_tflops(DeviceCaps("cuda", name, (8, 9)), mode_of("bf16"), tmp_path)
 
     assert bf16("NVIDIA L40S") == 362.05
     assert bf16("NVIDIA L40S") not in (
@@ -211,16 +211,16 @@ def test_a_name_that_contains_another_models_name_gets_its_own_peak(tmp_path):
 def test_an_unknown_device_gets_no_peak_and_a_note_not_a_neighbours_peak(name, tmp_path):
     caps = DeviceCaps("cuda", name, (8, 6))
     assert device_model(name) is None
-    assert all(peak_tflops(caps, mode, tmp_path) is None for mode in ("fp32", "bf16", "fp16"))
+    assert all(peak_tflops(caps, mode_of(m), tmp_path) is None for m in ("fp32", "bf16", "fp16"))
     summary = {"flops_per_step": 2e12, "step_time_s": 0.5}
-    u = utilisation(summary, caps, "bf16", tmp_path)
+    u = utilisation(summary, caps, mode_of("bf16"), tmp_path)
     assert u["achieved_tflops"] == 4 and u["peak_tflops"] is None and u["mfu"] is None
     assert u["peak_note"] == f"no datasheet peak for {name}: MFU left out"
 
 
 def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp_path):
     def peak(name: str, mode: str) -> float | None:
-        return peak_tflops(DeviceCaps("cuda", name, (9, 0)), mode, tmp_path)
+        return peak_tflops(DeviceCaps("cuda", name, (9, 0)), mode_of(mode), tmp_path)
 
     assert peak("NVIDIA H100 80GB HBM3", "fp8") == 1979
     assert peak("NVIDIA GeForce RTX 4090", "fp8") == 330.3  # with FP32 accumulate
@@ -232,14 +232,14 @@ def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp
     u = utilisation(
         {"flops_per_step": 1e12, "step_time_s": 1.0},
         DeviceCaps("cuda", "NVIDIA A100-SXM4-80GB", (8, 0)),
-        "fp8",
+        mode_of("fp8"),
         tmp_path,
     )
     assert u["mfu"] is None and "no fp8 datasheet peak" in u["peak_note"]
     u = utilisation(
         {"flops_per_step": 989.5e12, "step_time_s": 2.0},
         DeviceCaps("cuda", "NVIDIA H100 80GB HBM3", (9, 0)),
-        "fp8",
+        mode_of("fp8"),
         tmp_path,
     )
     assert u["peak_tflops"] == 1979 and u["mfu"] == pytest.approx(0.25) and "peak_note" not in u
@@ -249,7 +249,7 @@ def test_fp8_is_looked_up_where_the_device_has_it_and_none_where_it_does_not(tmp
     bf16 = utilisation(
         {"flops_per_step": 989.5e12, "step_time_s": 2.0},
         DeviceCaps("cuda", "NVIDIA H100 80GB HBM3", (9, 0)),
-        "bf16",
+        mode_of("bf16"),
         tmp_path,
     )
     assert bf16["mfu"] == pytest.approx(0.5) and bf16["peak_mode"] == "bf16"
@@ -277,25 +277,26 @@ def _cache_key(dtype: torch.dtype) -> str:
 
 
 def test_the_cpu_ceiling_is_cached_with_its_conditions_and_reused(tmp_path, counted_measure):
-    peak = peak_tflops(CPU, "fp32", tmp_path)
+    peak = peak_tflops(CPU, mode_of("fp32"), tmp_path)
     assert len(counted_measure) == 1
     entry = json.loads((tmp_path / "cpu_peak_tflops.json").read_text())[_cache_key(torch.float32)]
     assert entry["cpu"] == CPU.name and entry["threads"] == torch.get_num_threads()
     assert entry["torch"] == torch.__version__ and entry["dtype"] == "float32"
     assert entry["n"] == 64 and entry["runs"] == 3 and entry["measured_at"]
     assert peak == entry["tflops"] >= entry["median_tflops"] > 0
-    assert peak_tflops(CPU, "fp32", tmp_path) == peak
-    assert peak_tflops(CPU, "tf32", tmp_path) == peak  # a CPU has no TF32: the fp32 ceiling
+    assert peak_tflops(CPU, mode_of("fp32"), tmp_path) == peak
+    # a CPU has no TF32: the fp32 ceiling
+    assert peak_tflops(CPU, mode_of("tf32"), tmp_path) == peak
     assert len(counted_measure) == 1
-    peak_tflops(CPU, "bf16", tmp_path)  # another dtype is measured on its own
+    peak_tflops(CPU, mode_of("bf16"), tmp_path)  # another dtype is measured on its own
     assert counted_measure == [torch.float32, torch.bfloat16]
 
 
 def test_another_thread_count_measures_the_cpu_again(tmp_path, counted_measure, monkeypatch):
-    peak_tflops(CPU, "fp32", tmp_path)
+    peak_tflops(CPU, mode_of("fp32"), tmp_path)
     threads = torch.get_num_threads()
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
-    peak_tflops(CPU, "fp32", tmp_path)
+    peak_tflops(CPU, mode_of("fp32"), tmp_path)
     assert len(counted_measure) == 2
     cache = json.loads((tmp_path / "cpu_peak_tflops.json").read_text())
     assert sorted(e["threads"] for e in cache.values()) == [threads, threads + 1]
@@ -305,13 +306,13 @@ def test_another_thread_count_measures_the_cpu_again(tmp_path, counted_measure, 
 def test_an_old_bare_float_or_damaged_cache_is_measured_again(tmp_path, counted_measure, stale):
     path = tmp_path / "cpu_peak_tflops.json"
     path.write_text(stale.replace("%s", _cache_key(torch.float32)))
-    peak = peak_tflops(CPU, "fp32", tmp_path)
+    peak = peak_tflops(CPU, mode_of("fp32"), tmp_path)
     assert len(counted_measure) == 1 and peak != 123.0
     assert json.loads(path.read_text())[_cache_key(torch.float32)]["tflops"] == peak
 
 
 def test_a_cpu_has_no_fp8_ceiling(tmp_path, counted_measure):
-    u = utilisation({"flops_per_step": 1e9, "step_time_s": 0.1}, CPU, "fp8", tmp_path)
+    u = utilisation({"flops_per_step": 1e9, "step_time_s": 0.1}, CPU, mode_of("fp8"), tmp_path)
     assert u["mfu"] is None and "no fp8 matmul ceiling" in u["peak_note"]
     assert u["mfu_vs_bf16_peak"] is None and u["mfu_vs_mode_peak"] is None
     assert counted_measure == []
@@ -345,8 +346,8 @@ def test_speed_figures_leave_out_the_warm_up_and_flag_an_input_bound_run(tmp_pat
 
 def test_the_slowdown_of_an_emulated_mode_is_measured_and_native_modes_have_none(tmp_path):
     emulating = DeviceCaps("cpu", "a CPU without bf16 units")
-    factor = emulation_slowdown(emulating, "bf16", tmp_path)
+    factor = emulation_slowdown(emulating, mode_of("bf16"), tmp_path)
     assert isinstance(factor, float) and factor > 0  # fp32's ceiling over bf16's, both measured
     native = DeviceCaps("cpu", "a CPU with AMX", cpu_flags=frozenset({"amx_bf16"}))
-    assert emulation_slowdown(native, "bf16", tmp_path) is None
-    assert emulation_slowdown(emulating, "fp32", tmp_path) is None
+    assert emulation_slowdown(native, mode_of("bf16"), tmp_path) is None
+    assert emulation_slowdown(emulating, mode_of("fp32"), tmp_path) is None

@@ -66,18 +66,16 @@ def _validate_resume(spec: str | None) -> None:
 
 
 def _validate_fp8(p) -> None:
-    """precision.fp8 under mxfp8: the skip rules are shared, fp8's recipe and all-gather are not;
-    a staged run converts its Linears once, so to one of the two formats."""
+    """precision.fp8 under an fp8 format (fp8, mxfp8): the keys the format ignores are refused
+    (mxfp8's: fp8's recipe and all-gather); a staged run converts its Linears once, so to one
+    format."""
     modes = {s.mode for s in p.stages} if p.mode == "staged" else {p.mode}
-    both = {"fp8", "mxfp8"} <= modes
-    why = "a run converts its Linears once: fp8 stages or mxfp8 stages, not both"
-    require(not both, "precision.stages", [s.mode for s in p.stages], why)
-    if "mxfp8" not in modes:
-        return
-    why = "applies to precision=fp8 only (mxfp8 runs torchao's MXFP8 recipe)"
-    require(p.fp8.recipe == "tensorwise", "precision.fp8.recipe", p.fp8.recipe, why)
-    why = "applies to precision=fp8 only (torchao gathers float8 weights, not MXFP8 ones)"
-    require(not p.fp8.all_gather, "precision.fp8.all_gather", p.fp8.all_gather, why)
+    formats = [MODES[m] for m in MODES if m in modes and MODES[m].fp8]
+    names = " stages or ".join(m.name for m in formats)
+    why = f"a run converts its Linears once: {names} stages, not both"
+    require(len(formats) <= 1, "precision.stages", [s.mode for s in p.stages], why)
+    for key, unset, why in formats[0].ignored_fp8_keys if formats else ():
+        require(p.fp8[key] == unset, f"precision.fp8.{key}", p.fp8[key], why)
 
 
 def _validate_known(node, schema, path: str) -> None:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from runner.precision.layers import recomputing
+from runner.precision.modes import Mode, mode_of
 
 # Dense (no sparsity) peak TFLOP/s per GPU model and mode. Sources: NVIDIA's product datasheets
 # (H100/H200 NVL and HGX B200/GB200 NVL72 tables divided per GPU), the Ampere/Ada/Blackwell
@@ -57,8 +58,6 @@ _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
 _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
 # fp8 GEMMs show as float8 inputs of `_scaled_mm` on a GPU (on a CPU torchao emulates them in bf16)
 LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
-# The fp8 arithmetics (a mode's `compute`): no CPU kernels to measure; MFU against bf16's peak too
-FP8_COMPUTES = ("fp8", "mxfp8")
 
 
 def _computes_in(tensor: torch.Tensor) -> torch.dtype:
@@ -159,29 +158,34 @@ def device_model(name: str) -> str | None:
     return DEVICE_MODELS.get(" ".join(words))
 
 
-def peak_tflops(caps, mode: str, cache_dir: Path) -> float | None:
-    """The device's peak for the mode, the highest rate its matmuls reach in that dtype: the
-    datasheet table for a GPU model listed exactly (None for any other GPU, or a mode it lacks);
-    on a CPU the measured matmul rate (`cpu_matmul_tflops`), and for bf16/fp16 at least fp32's.
+def peak_tflops(caps, mode: Mode, cache_dir: Path) -> float | None:
+    """The device's peak for the mode's arithmetic (`compute`), the highest rate its matmuls
+    reach in that dtype: the datasheet table for a GPU model listed exactly (None for any other
+    GPU, or an arithmetic it lacks); on a CPU the measured matmul rate (`cpu_matmul_tflops`), and
+    for a low-precision dtype (bf16/fp16) at least fp32's.
     Where a CPU emulates them, the kernels compute in fp32 (scalar fallbacks, or fp32's own
     kernels under `precision.cpu_kernels`) and their own square-matmul rate is no ceiling: on
     other layouts they run many times faster (transposed operands: 20 times here), never faster
     than fp32's kernels."""
     if caps.type == "cuda":
         model = device_model(caps.name)
-        return GPU_PEAK_TFLOPS[model].get(mode) if model else None
+        return GPU_PEAK_TFLOPS[model].get(mode.compute) if model else None
     rate = cpu_matmul_tflops(caps, mode, cache_dir)
-    if rate is None or mode in ("fp32", "tf32"):
+    if rate is None or mode.low_dtype is None:
         return rate
-    return max(rate, cpu_matmul_tflops(caps, "fp32", cache_dir))
+    return max(rate, _cpu_matmul_tflops(caps, torch.float32, cache_dir))
 
 
-def cpu_matmul_tflops(caps, mode: str, cache_dir: Path) -> float | None:
-    """On a CPU, the rate of n×n matmuls in the mode's dtype, measured once per (CPU, threads,
-    torch, dtype) and cached with those conditions; None elsewhere and for fp8 (no CPU kernels)."""
-    if caps.type != "cpu" or mode in FP8_COMPUTES:
+def cpu_matmul_tflops(caps, mode: Mode, cache_dir: Path) -> float | None:
+    """On a CPU, the rate of n×n matmuls in the mode's dtype (its `low_dtype`, else fp32: tf32
+    too), measured once per (CPU, threads, torch, dtype) and cached with those conditions; None
+    elsewhere and for fp8 Linears (no CPU kernels: torchao emulates them)."""
+    if caps.type != "cpu" or mode.fp8:
         return None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, torch.float32)
+    return _cpu_matmul_tflops(caps, mode.low_dtype or torch.float32, cache_dir)
+
+
+def _cpu_matmul_tflops(caps, dtype: torch.dtype, cache_dir: Path) -> float:
     key = f"{caps.name}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
     path = cache_dir / "cpu_peak_tflops.json"
     cached = _read_cache(path)
@@ -203,13 +207,13 @@ def cpu_matmul_tflops(caps, mode: str, cache_dir: Path) -> float | None:
     return entry["tflops"]
 
 
-def emulation_slowdown(caps, mode: str, cache_dir: Path) -> float | None:
-    """On a CPU that only emulates `mode`: how many times slower its matmuls run than fp32's
-    (the cached rates, measured once per machine)."""
-    if caps.type != "cpu" or mode not in ("bf16", "fp16") or caps.support(mode)[0]:
+def emulation_slowdown(caps, mode: Mode, cache_dir: Path) -> float | None:
+    """On a CPU that only emulates `mode`'s low-precision matmuls: how many times slower they run
+    than fp32's (the cached rates, measured once per machine)."""
+    if caps.type != "cpu" or mode.low_dtype is None or mode.fp8 or caps.support(mode.compute)[0]:
         return None
     low = cpu_matmul_tflops(caps, mode, cache_dir)
-    return cpu_matmul_tflops(caps, "fp32", cache_dir) / low if low else None
+    return _cpu_matmul_tflops(caps, torch.float32, cache_dir) / low if low else None
 
 
 def _read_cache(path: Path) -> dict:
@@ -248,10 +252,11 @@ def _measure_matmul_tflops(
     }
 
 
-def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
+def utilisation(summary: dict, caps, mode: Mode, cache_dir: Path) -> dict:
     """Achieved TFLOP/s (model FLOPs over the median step time); `mfu` (model FLOPs) and `hfu`
-    (hardware FLOPs: with the recomputed forwards) against the peak of `peak_mode`; fp8 runs also
-    get `mfu_vs_bf16_peak` and `mfu_vs_mode_peak`. Without a peak for the device and mode, or
+    (hardware FLOPs: with the recomputed forwards) against the peak of `mode` (`peak_mode`: its
+    compute); a mode with `mfu_also_vs` (fp8's: bf16) also gets `mfu_vs_<it>_peak` and
+    `mfu_vs_mode_peak`. Without a peak for the device and mode, or
     where the step ran faster than the peak (`above_peak`: the peak is no ceiling), MFU and HFU
     are None and `peak_note` says why."""
     flops, step_time = summary.get("flops_per_step"), summary.get("step_time_s")
@@ -260,29 +265,30 @@ def utilisation(summary: dict, caps, mode: str, cache_dir: Path) -> dict:
     achieved = flops / step_time / 1e12
     hardware = (summary.get("hardware_flops_per_step") or flops) / step_time / 1e12
     peak = peak_tflops(caps, mode, cache_dir)
-    out = {"achieved_tflops": achieved, "peak_tflops": peak, "peak_mode": mode}
+    out = {"achieved_tflops": achieved, "peak_tflops": peak, "peak_mode": mode.compute}
     if not peak:
-        out |= {"mfu": None, "hfu": None, "peak_note": _no_peak_note(caps, mode)}
+        out |= {"mfu": None, "hfu": None, "peak_note": _no_peak_note(caps, mode.compute)}
     elif hardware > peak:
         out |= {
             "mfu": None,
             "hfu": None,
             "above_peak": hardware / peak,
             "peak_note": (
-                f"the step ran at {hardware:.3g} TFLOP/s, {hardware / peak:.0%} of the {mode} "
+                f"the step ran at {hardware:.3g} TFLOP/s, {hardware / peak:.0%} of the {mode.compute} "
                 f"peak ({peak:.3g} TFLOP/s): that peak is not this device's ceiling (a bug, or a "
                 "CPU measured while busy); MFU left out"
             ),
         }
     else:
         out |= {"mfu": achieved / peak, "hfu": hardware / peak}
-    if mode in FP8_COMPUTES:
+    if also := mode.mfu_also_vs:
         # torchtitan and most papers divide an fp8 run by the bf16 peak, llm-foundry by fp8's.
         # Against bf16's it can exceed 1: fp8 GEMMs run up to twice as fast. Only where the
-        # device has an fp8 peak: elsewhere (a CPU) fp8 is emulated and neither is a ceiling.
-        bf16 = peak_tflops(caps, "bf16", cache_dir) if peak else None
+        # device has the mode's own peak: elsewhere (a CPU) fp8 is emulated and neither is a
+        # ceiling.
+        other = peak_tflops(caps, mode_of(also), cache_dir) if peak else None
         out |= {
-            "mfu_vs_bf16_peak": achieved / bf16 if bf16 else None,
+            f"mfu_vs_{also}_peak": achieved / other if other else None,
             "mfu_vs_mode_peak": out["mfu"],
         }
     return out

@@ -88,10 +88,7 @@ class Precision:
         self.loss_scaler.enter(self.in_force)
         if self.fp8:
             self.fp8.active = self.in_force.fp8
-        # Explicit either way: a previous stage or job in this process may have left "high".
-        tf32 = self.in_force.tf32
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = tf32
+        self.in_force.set_matmuls()
 
     def at_step(self, step: int) -> bool:
         """Enters the stage that covers the optimizer step after `step` steps; True if the mode
@@ -143,10 +140,10 @@ class Precision:
         ]
 
     @property
-    def peak_mode(self) -> str:
-        """The mode whose peak rate the device's MFU is measured against: fp32 where the fast
-        CPU kernels compute the mode's matmuls in fp32."""
-        return "fp32" if self.emulates(self.mode) else self.in_force.compute
+    def peak_mode(self) -> Mode:
+        """The mode whose peak rate (its `compute`'s) the device's MFU is measured against: fp32
+        where the fast CPU kernels compute the mode's matmuls in fp32."""
+        return mode_of("fp32") if self.emulates(self.mode) else self.in_force
 
     def memory(self, model: torch.nn.Module) -> dict:
         return self.master.memory(model)

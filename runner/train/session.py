@@ -81,10 +81,7 @@ def trainer_timer(
     trainer.checkpointer.save = lambda *args: None  # a timing keeps no last.pt
 
     def fit() -> dict:
-        # Each variant's matmul setting while it runs (TF32 is process-wide).
-        tf32 = precision.mode == "tf32"
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = tf32
+        precision.in_force.set_matmuls()  # each variant's while it runs (TF32 is process-wide)
         reset_peak_memory(precision.device)
         timing.max_steps = trainer.step + warmup + steps
         quiet, console.console.quiet = console.console.quiet, True

@@ -1,7 +1,8 @@
 """What a precision mode is, declared in one place: a `Mode` says how the forward computes
 (autocast dtype), whether the loss is scaled, which dtype the weights are held in and which
 modules keep fp32, what the mode does to the model once, what precision truth expects of it,
-and which arithmetic the device must support (also the peak its MFU is measured against).
+and which arithmetic the device must support (also the peak its MFU is measured against). The
+runner asks these, never a mode's name: a new mode is its own module.
 
 `Precision` follows the stages and asks the mode in force; the step is the shared one
 (runner/precision/step.py), which fp16_master's masters and fp8's scales hook into."""
@@ -37,11 +38,21 @@ class Mode:
     fp8: bool = False  # Linears converted to fp8 (precision.fp8), computing in fp8 in this mode
     stageable: bool = True  # a `staged` schedule can use it
     fsdp_refusal: str | None = None  # why trainer.strategy=fsdp refuses it (None: it runs)
+    # The mode whose peak its MFU is also reported against (mfu_vs_<it>_peak): fp8's, bf16's, as
+    # torchtitan and most papers divide an fp8 run.
+    mfu_also_vs: str | None = None
 
     @property
     def low_dtype(self) -> torch.dtype | None:
         """The low-precision dtype its (non-fp8) matmuls compute in; None for fp32 arithmetic."""
         return self.autocast or (DTYPES[self.weights] if self.weights != "fp32" else None)
+
+    def set_matmuls(self) -> None:
+        """fp32 matmuls and convolutions, process-wide, as the mode computes them: TF32 ("high")
+        or full fp32 ("highest"), explicit either way (a previous stage or job in this process
+        may have left the other)."""
+        torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = self.tf32
 
     def keeps_norms_fp32(self, cfg) -> bool:
         """Whether norm layers keep fp32 weights where the mode casts them."""

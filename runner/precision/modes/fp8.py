@@ -12,6 +12,10 @@ from runner.precision.modes.base import Mode
 
 
 class Fp8(Mode):
+    # precision.fp8 keys this format ignores, each refused at validation unless unset:
+    # (key, its unset value, why)
+    ignored_fp8_keys: tuple[tuple[str, object, str], ...] = ()
+
     def linears(self, cfg, caps: DeviceCaps) -> Fp8Linears:
         """What converts and switches its Linears (`cfg`: precision.fp8)."""
         return Float8(cfg)
@@ -21,4 +25,4 @@ class Fp8(Mode):
         precision.fp8.prepare(model, islands)
 
 
-MODE = Fp8("fp8", compute="fp8", autocast=torch.bfloat16, fp8=True)
+MODE = Fp8("fp8", compute="fp8", autocast=torch.bfloat16, fp8=True, mfu_also_vs="bf16")
