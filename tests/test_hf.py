@@ -128,12 +128,12 @@ def test_hf_gradient_checkpointing_recomputes_in_the_forwards_precision(
     assert_recomputed_alike(plain, checkpointed, batch, precision)
 
 
-def tiny_gpt2_and_text(tmp_path, documents: int) -> tuple:
-    """A one-block transformers GPT-2 saved with `save_pretrained` (with its tokenizer) and a local
-    text file of `documents` lines: the folder and the file."""
+def tiny_gpt2_and_text(tmp_path, documents: int, layers: int = 1) -> tuple:
+    """A transformers GPT-2 of `layers` blocks saved with `save_pretrained` (with its tokenizer)
+    and a local text file of `documents` lines: the folder and the file."""
     folder = tmp_path / "gpt"
     config = transformers.GPT2Config(
-        vocab_size=len(_tokenizer(folder)), n_embd=32, n_layer=1, n_head=2, n_positions=64
+        vocab_size=len(_tokenizer(folder)), n_embd=32, n_layer=layers, n_head=2, n_positions=64
     )
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     rng = random.Random(1)

@@ -34,8 +34,8 @@ def ops(summary: dict, stage: int = 0, prefix: str = "") -> list[dict]:
     ]
 
 
-def gpt2(tmp_path, *overrides: str):
-    folder, text = tiny_gpt2_and_text(tmp_path, documents=40)
+def gpt2(tmp_path, *overrides: str, layers: int = 1):
+    folder, text = tiny_gpt2_and_text(tmp_path, documents=40, layers=layers)
     return lambda *more: hf(
         folder,
         *causal_lm_on_text(text),
@@ -239,3 +239,25 @@ def test_the_fp32_evaluation_computes_in_fp32_only(tmp_path, monkeypatch, mode):
     )
     loss = summary["eval_precisions"]["fp32"]["metrics"]["eval_loss"]
     assert copied["eval_precisions"]["fp32"]["metrics"]["eval_loss"] != loss
+
+
+def test_a_lora_adapter_and_its_fp8_base_are_told_apart(tmp_path):
+    """LoRA on GPT-2's c_attn under fp8: the adapter and its converted base take the same input,
+    whose gradient both add to; each one's matmuls are its own (adapters bf16, the base fp8)."""
+    cfg = gpt2(
+        tmp_path,
+        "precision=fp8",
+        "precision.fp8.skip=[]",
+        "model.peft={r:16,alpha:32,target_modules:[c_attn]}",
+        layers=2,
+    )
+    summary = run(cfg(), tmp_path / "lora")
+    # the second block's: its input's gradient is needed (the first block's adapters train)
+    base = ops(summary, prefix="net.base_model.model.transformer.h.1.attn.c_attn.base_layer")
+    adapters = ops(summary, prefix="net.base_model.model.transformer.h.1.attn.c_attn.lora_")
+    assert {(o["direction"], o["format"]) for o in base if o["direction"] != "weight_grad"} == {
+        ("forward", "fp8"),
+        ("input_grad", "fp8"),
+    }
+    assert adapters and {o["format"] for o in adapters} == {"bf16"}
+    assert summary["plan_held"] is True

@@ -17,6 +17,7 @@ one line; `plan_held` is False where there is one."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -60,20 +61,28 @@ def _depth(name: str) -> int:
     return name.count(".") + 1 if name else 0
 
 
+def _next_node_number() -> int:
+    """The sequence number the next autograd node made on this thread gets (a probe's)."""
+    return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
 class ModuleStack:
-    """Which of the model's modules is running, in forward and in backward: its forward hooks
-    enter and leave a module; in backward a module is entered once its outputs' gradients are
-    ready and left once its inputs' are (or its parameters', where no input needs a gradient).
-    The innermost module is the deepest one entered."""
+    """Which of the model's modules is running. In forward, and in a forward that gradient
+    checkpointing recomputes in backward, the module's forward hooks enter and leave it. In
+    backward, each autograd node belongs to the innermost module whose forward made it (found
+    from the module's outputs back to the nodes made before it ran), and a hook before each
+    node runs names its module: a gradient that several modules add to (an input shared by a
+    LoRA adapter and its base layer) is still each module's own."""
 
     def __init__(self, model: nn.Module):
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
-        self.active: dict[str, int] = {}
-        # A forward that gradient checkpointing recomputes is entered apart: it may stop early,
-        # once it has recomputed what backward needs, and never leave the modules it entered.
-        self.recomputed: dict[str, int] = {}
+        self.forward: list[str] = []
+        self.recomputed: list[str] = []  # the modules a recomputed forward is inside
+        self.backward = ""  # the module whose autograd node runs now
         self.outputs: dict[str, set[str]] = defaultdict(set)  # module → its outputs' dtypes
         self.weights = WeakTensorKeyDictionary()  # tensor → the module name it is a weight of
+        self._starts: list[int | None] = []
+        self._owned: dict = {}  # autograd node → its module's name
         self._handles: list = []
 
     def __enter__(self) -> ModuleStack:
@@ -91,8 +100,7 @@ class ModuleStack:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.active.clear()
-        self.recomputed.clear()
+        self._owned.clear()
         self._early_stop.__exit__(*exc)
 
     def recomputing(self) -> bool:
@@ -101,66 +109,57 @@ class ModuleStack:
         return bool(self.recomputed) or recomputing()
 
     def current(self) -> tuple[str, nn.Module | None]:
-        active = self.recomputed if self.recomputed else self.active
-        if not active:
-            return "", None
-        name = max(reversed(active), key=_depth)  # the deepest; the latest of equals
+        if self.recomputed:
+            name = self.recomputed[-1]
+        elif torch._C._current_graph_task_id() != -1:
+            name = self.backward
+        else:
+            name = self.forward[-1] if self.forward else ""
         return name, self._modules().get(name)
 
     def _modules(self) -> dict[str, nn.Module]:
         return {n: m for m, n in self.names.items()}
 
-    def _enter(self, name: str, active: dict[str, int] | None = None) -> None:
-        active = self.active if active is None else active
-        active[name] = active.pop(name, 0) + 1
-
-    def _leave(self, name: str, active: dict[str, int] | None = None) -> None:
-        active = self.active if active is None else active
-        if active.get(name, 0) > 1:
-            active[name] -= 1
-        else:
-            active.pop(name, None)
-
     def _before(self, module: nn.Module, args) -> None:
         name = self.names.get(module)
         if name is None:
             return
-        if recomputing():
-            # a recomputation starts at its checkpointed block: what an earlier one left is stale
-            if not any(name.startswith(f"{n}.") for n in self.recomputed):
-                self.recomputed.clear()
-            self._enter(name, self.recomputed)
-        else:
-            self._enter(name)
+        (self.recomputed if self.recomputing() else self.forward).append(name)
         # FSDP gathers the weights the forward uses into tensors of their own: those are known here
         for p in module.parameters(recurse=False):
             self.weights[p] = name
-        needing = [t for t in _tensors(args) if t.requires_grad]
-        if not needing:
-            needing = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if needing and torch.is_grad_enabled():
-            leave = lambda *_: self._leave(name)  # noqa: E731
-            self._handles.append(torch.autograd.graph.register_multi_grad_hook(needing, leave))
+        self._starts.append(_next_node_number() if torch.is_grad_enabled() else None)
 
     def _after(self, module: nn.Module, args, output) -> None:
         name = self.names.get(module)
         if name is None:
             return
-        # A recomputed forward's backward hooks fire where its graph is differentiated (a
-        # reentrant checkpoint's own backward), into the modules running in backward.
-        self._leave(name, self.recomputed if recomputing() else None)
-        inputs = _tensors(args)
+        running = self.recomputed if self.recomputed else self.forward
+        if name in running:
+            del running[len(running) - 1 - running[::-1].index(name)]
+        start = self._starts.pop() if self._starts else None
         self.outputs[name] |= {short(t.dtype) for t in _tensors(output) if t.is_floating_point()}
-        # an output that is an input (a Dropout with p=0) has its gradient when the input does:
-        # entering there would never be left
-        needing = [
-            t for t in _tensors(output) if t.requires_grad and not any(t is i for i in inputs)
-        ]
-        if needing and torch.is_grad_enabled():
-            enter = lambda *_: self._enter(name)  # noqa: E731
-            self._handles.append(
-                torch.autograd.graph.register_multi_grad_hook(needing, enter, mode="any")
-            )
+        if start is not None:
+            self._own(name, start, output)
+
+    def _own(self, name: str, start: int, output) -> None:
+        """Claims for `name` the autograd nodes its forward made that no inner module claimed."""
+        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen = set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
+                continue
+            seen.add(node)
+            if node._sequence_nr() < start:
+                continue  # made before this forward began: an input's
+            if node not in self._owned:
+                self._owned[node] = name
+                self._handles.append(node.register_prehook(functools.partial(self._running, name)))
+            todo.extend(following for following, _ in node.next_functions)
+
+    def _running(self, name: str, _grad_outputs) -> None:
+        self.backward = name
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -315,6 +314,12 @@ class Plan:
 
     def __init__(self, model: nn.Module, precision):
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        # modules all of whose own parameters are frozen: no weight gradient to compute
+        self.frozen_modules = {
+            n
+            for n, m in model.named_modules()
+            if (own := list(m.parameters(recurse=False))) and not any(p.requires_grad for p in own)
+        }
         self.precision = precision
         self.model = model
         self.start: dict[str, tuple[float, float]] = {}
@@ -390,6 +395,8 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
             mismatches.append(f"{why}; {where} ran in {ran}")
         elif held is None:
             notes.append(f"{where} ran in {ran}, above the plan's {planned}")
+        if r["direction"] == WEIGHT_GRAD and name in plan.frozen_modules:
+            notes.append(f"{where} computes a gradient for frozen weights: FLOPs spent for nothing")
         if island is not None and held is not False and r["inputs"] != ["fp32"]:
             mismatches.append(f"{why}; {where} took {'/'.join(r['inputs'])} inputs")
     return mismatches, notes
