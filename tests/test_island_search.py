@@ -143,9 +143,12 @@ def test_trains_as_fp32_does_allows_the_first_calibration_alone():
     assert range_fault(_rows(*calibrating, *settled[:19], (True, 6.0, 8192.0))) is None  # 1 of 20
     two = _rows(*calibrating, *settled[:9], (True, 6.0, 8192.0), *settled[:9], (True, 6.0, 4096.0))
     assert range_fault(two) == (
-        "2 of 20 steps skipped after the loss scale settled (from step 4)",
+        "2 of 20 steps skipped after the loss scale's first calibration (steps 1-3)",
         13,
     )
+    # A scale that backs off to the end never settled: every step counts.
+    assert calibration(_rows(*calibrating)) == 0
+    assert range_fault(_rows(*calibrating)) == ("3 of 3 steps skipped", 1)
     assert range_fault(_rows(calibrating[0], (True, nan, 32768.0), *settled)) == (
         "non-finite loss at step 2",
         2,

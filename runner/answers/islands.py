@@ -56,13 +56,14 @@ def culprit(report: dict) -> str | None:
 
 def calibration(rows: list[dict]) -> int:
     """How many steps the scaler's first calibration took: the skipped steps at the start, each
-    followed by a lower loss scale (0 without a scaler, whose scale stays 1)."""
+    followed by a lower loss scale, up to the first applied step (0 where none follows: the
+    scale never settled; and without a scaler, whose scale stays 1)."""
     n = 0
     while n + 1 < len(rows) and rows[n]["skipped"]:
         if rows[n + 1]["loss_scale"] >= rows[n]["loss_scale"]:
-            break
+            return 0
         n += 1
-    return n
+    return n if n < len(rows) and not rows[n]["skipped"] else 0
 
 
 def range_fault(rows: list[dict]) -> tuple[str, int] | None:
@@ -72,12 +73,13 @@ def range_fault(rows: list[dict]) -> tuple[str, int] | None:
     for row in rows:
         if not math.isfinite(row["loss"]):
             return f"non-finite loss at step {row['step']}", row["step"]
-    settled = rows[calibration(rows) :]
+    calibrated = calibration(rows)
+    settled = rows[calibrated:]
     skipped = [r["step"] for r in settled if r["skipped"]]
     if len(skipped) > MAX_SKIPPED_SHARE * len(settled):
+        after = f" after the loss scale's first calibration (steps 1-{calibrated})"
         return (
-            f"{len(skipped)} of {len(settled)} steps skipped after the loss scale settled "
-            f"(from step {settled[0]['step']})",
+            f"{len(skipped)} of {len(settled)} steps skipped{after if calibrated else ''}",
             skipped[0],
         )
     return None
@@ -246,8 +248,9 @@ class Search:
         """After a trial that failed at `step`: modules added to `islands` until that window
         replays finite. Returns why no small set exists, or None when the window now runs finite."""
         rows = trainer.meter.rows
-        # The lowest scale the scaler settled at: the one the run trains on.
-        loss_scale = float(min(rows[step - 1]["loss_scale"], rows[calibration(rows)]["loss_scale"]))
+        # The lowest scale the scaler reached from that step on (a forward's overflow is the
+        # same at any; a gradient that overflows even there is the module's range, not the scale)
+        loss_scale = float(min(r["loss_scale"] for r in rows[step - 1 :]))
         # Skipped steps change no weight: those the failing step saw are the initial ones where
         # no step was applied before it, the task's where none was after it, else a run to it's.
         if all(r["skipped"] for r in rows[: step - 1]):
