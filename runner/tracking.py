@@ -101,10 +101,11 @@ class WandbTracker:
         for row in rows:  # at its optimizer step: a row amended with its evaluation merges in
             self.run.log(row, step=row["step"])
 
-    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
+    def table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
         import wandb
 
-        self.run.log({key: wandb.Table(columns=columns, data=rows)})
+        # at the last step logged: merged into its row, so every history row has its step
+        self.run.log({key: wandb.Table(columns=columns, data=rows), "step": step}, step=step)
 
     def finish(self, summary: dict, exit_code: int) -> None:
         self.run.summary.update({k: v for k, v in summary.items() if v is not None})
@@ -130,6 +131,7 @@ class RunLog:
         self.previous_rows: list[dict] = []
         self._metrics = None
         self._last_row_at = 0  # where the last row logged starts in metrics.jsonl
+        self._last_step: int | None = None  # the last row's step
         if not write:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,7 @@ class RunLog:
         if self._metrics is None:
             return
         for row in rows:
-            self._last_row_at = self._metrics.tell()
+            self._last_row_at, self._last_step = self._metrics.tell(), row["step"]
             self._metrics.write(dumps(row) + "\n")
         self._metrics.flush()
         self._to_tracker("log", rows)
@@ -164,8 +166,10 @@ class RunLog:
         self._to_tracker("log", [{"step": row["step"], **added}])
 
     def log_table(self, key: str, columns: list[str], rows: list[list]) -> None:
-        """A table for the tracker only (metrics.jsonl and summary.json hold its data already)."""
-        self._to_tracker("table", key, columns, rows)
+        """A table for the tracker only (summary.json holds its data already), at the last step
+        logged."""
+        if self._last_step is not None:
+            self._to_tracker("table", key, columns, rows, self._last_step)
 
     def _to_tracker(self, method: str, *args) -> None:
         if self.tracker is None:

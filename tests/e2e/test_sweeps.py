@@ -61,6 +61,8 @@ def test_precision_sweep_logs_one_grouped_wandb_run_per_job_and_compares(tmp_pat
             "samples_per_s",
         } <= set(history[0])
         assert summary["skipped_steps"] == 0 and summary["precision"] == config["precision"]["mode"]
+        # the precision manifest as a W&B table, at the last step
+        assert history[-1]["precision_manifest/_type"] == "table-file"
     assert "wandb sync" in proc.stderr
     report = json.loads((sweep / "compare.json").read_text())
     assert [r["precision"] for r in report] == ["fp32", "fp16", "bf16"]
