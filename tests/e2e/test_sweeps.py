@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, read_metrics, read_wandb_records
+from tests.helpers import cli, module_run, read_metrics, read_wandb_records
 
 pytestmark = pytest.mark.slow
 MLP = [
@@ -110,24 +112,24 @@ def test_jobs_are_labelled_by_the_overrides_the_sweep_varies(tmp_path):
 
 
 def test_a_failed_job_does_not_stop_the_sweep_but_fails_the_command(tmp_path):
-    """Job 0 fails when its model is built (a device that does not exist, a key nothing takes,
-    are refused for every job before the first starts: tests/test_hostile.py)."""
+    """Job 0 fails when its model is built: its net cannot take the data's 8 features, which
+    only a batch through it shows (a bad value, a device that does not exist, a key nothing
+    takes, are refused for every job before the first starts: tests/test_hostile.py)."""
     sweep = tmp_path / "sweep"
     proc = cli(
         "-m",
-        "model.activation=relu,gelu",
-        *MLP,
-        "logger=none",
+        *module_run("torch.nn.Linear", "+model.net.in_features=5,8", "+model.net.out_features=3"),
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])},  # tests.*
     )
     assert proc.returncode == 1
-    assert "error: job 0 failed: model.activation='relu' is invalid" in proc.stderr
+    assert "error: job 0 failed: model.net (torch.nn.Linear) cannot take" in proc.stderr
     assert "Traceback" not in proc.stderr
     report = json.loads((sweep / "compare.json").read_text())
     assert [r["status"] for r in report] == ["failed", "completed"]
-    assert report[0]["verdict"].startswith("failed: model.activation='relu' is invalid")
-    assert len(read_metrics(sweep / "1")) == 12
+    assert report[0]["verdict"].startswith("failed: model.net (torch.nn.Linear) cannot take")
+    assert len(read_metrics(sweep / "1")) == 2
 
 
 @pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
