@@ -119,6 +119,24 @@ def cell_id(cell: tuple) -> str:
     return "-".join(cell)
 
 
+def known_defect(cell: tuple) -> str | None:
+    """Why a cell fails today: a defect this matrix found and reported, not yet fixed."""
+    mode, feature, model = cell
+    if feature == "eval_precisions" and model != "gpt2":
+        # Under inference_mode an nn.Linear reaches the audit's dispatch mode as aten.linear,
+        # which has no FLOP formula, so the manifest records none of the fp32 row's matmuls
+        # (`evaluation.fp32.modules` is empty; GPT-2's Conv1D calls addmm, and is recorded)
+        return "the manifest records no nn.Linear matmul of the fp32 evaluation (aten.linear)"
+    return None
+
+
+def marks(cell: tuple) -> list:
+    out = [pytest.mark.xdist_group("ranks")] if cell in DISTRIBUTED else []
+    if why := known_defect(cell):
+        out.append(pytest.mark.xfail(reason=why, strict=True))
+    return out
+
+
 # --- the models ---------------------------------------------------------------------------
 
 
@@ -131,7 +149,8 @@ class OwnRMSNorm(nn.Module):
 
     def forward(self, x):
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed.to(x.dtype) * self.weight
 
 
 class Loud(nn.Linear):
@@ -394,7 +413,9 @@ def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
         assert low, "a converted Linear, but no op ran in fp8"
         assert low <= set(fp8["converted"]), low - set(fp8["converted"])
         for skipped in fp8["skipped"]:
-            assert skipped not in low, f"{skipped} is skipped ({fp8['skipped'][skipped]}) yet ran fp8"
+            assert skipped not in low, (
+                f"{skipped} is skipped ({fp8['skipped'][skipped]}) yet ran fp8"
+            )
     for name, p in manifest["parameters"].items():
         if not p["trainable"]:
             assert p["changed"] is False and not p["optimizer_state"], (name, p)
@@ -447,10 +468,7 @@ def test_the_matrix_covers_every_pair():
 
 @pytest.mark.parametrize(
     "cell",
-    [
-        pytest.param(c, marks=[pytest.mark.xdist_group("ranks")] if c in DISTRIBUTED else [])
-        for c in CELLS
-    ],
+    [pytest.param(c, marks=marks(c)) for c in CELLS],
     ids=[cell_id(c) for c in CELLS],
 )
 def test_cell(cell, folders, tmp_path, monkeypatch, request):
@@ -514,16 +532,17 @@ def check_freeze(cell, folders, out, monkeypatch) -> None:
 
 
 def check_lora(cell, folders, out, monkeypatch) -> dict:
-    """model.peft: only the adapters train; the base is left out of the checkpoint or
-    byte-identical there; LoRA's B (zero at the start) moved."""
+    """model.peft: only the adapters train (and the head peft saves for a classifier); the base
+    is left out of the checkpoint or byte-identical there; LoRA's B (zero at the start) moved."""
     watch = Watch(monkeypatch)
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)
     params = summary["precision_manifest"]["parameters"]
-    assert {n for n, p in params.items() if p["trainable"]} == {n for n in params if ".lora_" in n}
+    adapters = {n for n in params if ".lora_" in n or ".modules_to_save." in n}
+    assert {n for n, p in params.items() if p["trainable"]} == adapters
     saved = load_last(out)["model"]
     for name, value in saved.items():
-        if ".lora_" not in name:
+        if name not in adapters:
             assert torch.equal(value, watch.initial[name].to(value.dtype)), name
     moved = [k for k, v in saved.items() if ".lora_B" in k and v.abs().max() > 0]
     assert moved, "no adapter moved"
@@ -665,6 +684,10 @@ def check_checkpointing(cell, folders, out, monkeypatch) -> None:
 
 
 def check_compile(cell, folders, out, monkeypatch) -> None:
+    """trainer.compile: Dynamo compiled the forward. Its cache is the process's: an earlier cell
+    of this worker compiled the same code (compiled_graphs counts what is new), so it starts
+    empty here."""
+    torch._dynamo.reset()
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)
     assert summary["compiled_graphs"] >= 1
