@@ -33,8 +33,26 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
     "H200 SXM": {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979},
     "H200 NVL": {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
-    "B200": {"fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500, "mxfp8": 4500},
-    "GB200": {"fp32": 80, "tf32": 1250, "bf16": 2500, "fp16": 2500, "fp8": 5000, "mxfp8": 5000},
+    "B200": {
+        "fp32": 75,
+        "tf32": 1125,
+        "bf16": 2250,
+        "fp16": 2250,
+        "fp8": 4500,
+        "mxfp8": 4500,
+        "nvfp4": 9000,  # HGX B200: FP4 18 PFLOPS sparse per GPU
+        "mxfp4": 9000,
+    },
+    "GB200": {
+        "fp32": 80,
+        "tf32": 1250,
+        "bf16": 2500,
+        "fp16": 2500,
+        "fp8": 5000,
+        "mxfp8": 5000,
+        "nvfp4": 10000,  # GB200 NVL72: FP4 1,440 PFLOPS sparse over 72 GPUs
+        "mxfp4": 10000,
+    },
     "L4": {"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
     "L40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.05, "fp16": 181.05, "fp8": 362},
     "L40S": {"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
@@ -48,6 +66,34 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "RTX 5090": {"fp32": 104.8, "tf32": 104.8, "bf16": 209.5, "fp16": 209.5, "fp8": 419},
     "MI300X": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9},
 }
+# Peak memory bandwidth in TB/s (10**12 bytes/s) per GPU model of GPU_PEAK_TFLOPS, the same
+# datasheets: H100 SXM 3.35, PCIe 2.0, NVL 3.9; H200 4.8; A100 80GB SXM 2.039, PCIe 1.935; B200 8
+# (torchao's roofline_utils takes 7.67, the bus width CUDA 13 reports); GB200 8; L4 0.3;
+# L40/L40S 0.864; A10/A10G 0.6; T4 0.32; V100 0.9; RTX 3090 0.936, 4090 1.008, 5090 1.792;
+# MI300X 5.3. The projection (runner/measure/projection.py) divides bytes by these.
+GPU_MEMORY_BANDWIDTH_TBS: dict[str, float] = {
+    "A100 PCIe": 1.935,
+    "A100 SXM": 2.039,
+    "H100 PCIe": 2.0,
+    "H100 SXM": 3.35,
+    "H100 NVL": 3.9,
+    "H200 SXM": 4.8,
+    "H200 NVL": 4.8,
+    "B200": 8.0,
+    "GB200": 8.0,
+    "L4": 0.3,
+    "L40": 0.864,
+    "L40S": 0.864,
+    "A10": 0.6,
+    "A10G": 0.6,
+    "T4": 0.32,
+    "V100 PCIe": 0.9,
+    "V100 SXM": 0.9,
+    "RTX 3090": 0.936,
+    "RTX 4090": 1.008,
+    "RTX 5090": 1.792,
+    "MI300X": 5.3,
+}
 # `torch.cuda.get_device_name()` spells one model many ways ("NVIDIA A100-SXM4-80GB", "NVIDIA
 # A100 80GB PCIe"); after normalisation (see `device_model`) the words are looked up exactly here,
 # so "L40S" never borrows "L4"'s peak nor "H100 NVL" the SXM part's.
@@ -57,7 +103,13 @@ DEVICE_MODELS: dict[str, str] = {model.upper(): model for model in GPU_PEAK_TFLO
 _VENDOR_WORDS = {"NVIDIA", "TESLA", "GEFORCE", "AMD", "INSTINCT"}
 _MEMORY_WORD = re.compile(r"\d+GB|HBM\d*E?")
 # fp8 GEMMs show as float8 inputs of `_scaled_mm` on a GPU (on a CPU torchao emulates them in bf16)
-LOW_PRECISION = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+LOW_PRECISION = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float4_e2m1fn_x2,  # runner/precision/fp4.py: amp_runner::fp4_mm's packed operands
+}
 
 
 def _computes_in(tensor: torch.Tensor) -> torch.dtype:

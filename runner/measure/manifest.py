@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from runner import console
-from runner.measure.memory import local
+from runner.measure.memory import _parts, local
 from runner.measure.truth import short
 from runner.precision import cpu_kernels
 from runner.precision.islands import is_island
@@ -53,6 +53,10 @@ _SAME_VALUES = {
     _aten.detach,
     _aten.clone,
 }
+# Ops that move no memory on a GPU worth counting: they alias, allocate or read a scalar.
+_NO_TRAFFIC = {"_local_scalar_dense", "lift_fresh", "set_", "resize_", "record_stream"}
+# FP4 data packs two E2M1 values a byte: the projection counts values
+_PACKED_FP4 = {torch.uint8, *filter(None, [getattr(torch, "float4_e2m1fn_x2", None)])}
 _FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 _ROLES = {"input": "x", "weight": "w", "grad_output": "dy"}  # torchao's GemmInputRole values
 
@@ -76,6 +80,7 @@ class ModuleStack:
 
     def __init__(self, model: nn.Module):
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
+        self._kinds = {n: type(m).__name__ for n, m in model.named_modules()}
         self.forward: list[str] = []
         self.recomputed: list[str] = []  # the modules a recomputed forward is inside
         self.backward = ""  # the module whose autograd node runs now
@@ -116,6 +121,16 @@ class ModuleStack:
         else:
             name = self.forward[-1] if self.forward else ""
         return name, self._modules().get(name)
+
+    def current_name(self) -> tuple[str, str]:
+        """`current()`'s module name and class name, without building the name table."""
+        if self.recomputed:
+            name = self.recomputed[-1]
+        elif torch._C._current_graph_task_id() != -1:
+            name = self.backward
+        else:
+            name = self.forward[-1] if self.forward else ""
+        return name, self._kinds.get(name, "-")
 
     def _modules(self) -> dict[str, nn.Module]:
         return {n: m for m, n in self.names.items()}
@@ -190,6 +205,11 @@ class MatmulLog:
         self.stack = stack
         # (module, class, op, direction, format, inputs) → [calls, flops]
         self.ops: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+        # For the projection (runner/measure/projection.py): each matmul record by its operands'
+        # and output's shapes → [calls, flops, operand numels, output numel, M/K/N of a 2-D GEMM];
+        # every other op that moves memory by (module, class, op) → [calls, bytes read + written]
+        self.shapes: dict[tuple, list] = {}
+        self.other: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
 
     def before(self) -> None:
         cpu_kernels.COMPUTED.dtype = None  # what the fast CPU kernels hand PyTorch's, if they run
@@ -200,6 +220,7 @@ class MatmulLog:
                 for t in _tensors(out):
                     self.stack.weights[t] = owner
         if flops is None:
+            self._tally(func, args, kwargs, out)
             return
         operands = [a for a in _tensors((args, kwargs)) if a.is_floating_point()]
         if not operands:
@@ -213,6 +234,63 @@ class MatmulLog:
         entry = self.ops[key]
         entry[0] += 1
         entry[1] += flops
+        self._shape(key, func, operands, out, flops)
+
+    def _shape(self, key: tuple, func, operands: list, out, flops: int) -> None:
+        outputs = [t for t in _tensors(out) if t.is_floating_point()]
+        sig = (key, tuple(tuple(a.shape) for a in operands), tuple(tuple(t.shape) for t in outputs))
+        entry = self.shapes.get(sig)
+        if entry is None:
+            mats = [a for a in operands if a.ndim == 2]
+            mkn = None
+            if func._overloadpacket in (_aten.mm, _aten.addmm) and len(mats) >= 2:
+                (m, k), n = mats[-2].shape, mats[-1].shape[1]
+                mkn = [int(m), int(k), int(n)]
+            entry = self.shapes[sig] = [
+                0,
+                0,
+                [a.numel() * (2 if a.dtype in _PACKED_FP4 else 1) for a in operands],
+                sum(t.numel() for t in outputs),
+                mkn,
+            ]
+        entry[0] += 1
+        entry[1] += flops
+
+    def _tally(self, func, args, kwargs, out) -> None:
+        """Bytes an op other than a matmul reads and writes, at the dtypes it ran in (a torchao
+        tensor by the data it holds): views, allocations and host reads move none."""
+        name = func._overloadpacket.__name__
+        if func.is_view or name in _NO_TRAFFIC or name.startswith(("empty", "new_empty")):
+            return
+        tensors = _tensors((args, kwargs)) + _tensors(out)
+        moved = sum(p.numel() * p.element_size() for t in tensors for p in _parts(t))
+        if not moved:
+            return
+        module, kind = self.stack.current_name()
+        entry = self.other[(module, kind, name)]
+        entry[0] += 1
+        entry[1] += moved
+
+    def traffic(self) -> dict:
+        """The projection's view of the step: each matmul record split by shape (`operand_numels`,
+        `out_numel`, `mkn` for a 2-D GEMM), and the other ops' calls and bytes by module."""
+        matmuls = [
+            {
+                **dict(zip(("module", "class", "op", "direction", "format"), key[:5], strict=True)),
+                "inputs": list(key[5]),
+                "calls": calls,
+                "flops": flops,
+                "operand_numels": numels,
+                "out_numel": out_numel,
+                "mkn": mkn,
+            }
+            for (key, _, _), (calls, flops, numels, out_numel, mkn) in self.shapes.items()
+        ]
+        other = [
+            {"module": module, "class": kind, "op": op, "calls": calls, "bytes": moved}
+            for (module, kind, op), (calls, moved) in self.other.items()
+        ]
+        return {"matmuls": matmuls, "other": other}
 
     def _direction(self, func, args, out, operands, module) -> str:
         if self.stack.recomputing():

@@ -96,7 +96,8 @@ class Meter:
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
         self.task = task
-        # the precision manifest's record of each stage's audited step: {mode, step, ops}
+        # the precision manifest's record of each stage's audited step: {mode, step, ops}, and
+        # `traffic` (each matmul by shape, other ops' bytes) for the projection
         self.audited_steps: list[dict] = []
         self.activations = SavedActivations(task)  # counted in audited steps
         self.health: dict | None = None  # fp16's gradient health, from an audited step
@@ -151,7 +152,9 @@ class Meter:
                 self._auditing = False
         self.audit = audit.report() | (counted or {})
         if matmuls is not None:
-            self.audited_steps.append({"mode": mode, "step": step, "ops": matmuls.records()})
+            self.audited_steps.append(
+                {"mode": mode, "step": step, "ops": matmuls.records(), "traffic": matmuls.traffic()}
+            )
             manifest.show(self.audited_steps[-1])
 
     def saving(self) -> contextlib.AbstractContextManager:
