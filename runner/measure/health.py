@@ -194,3 +194,39 @@ def fp16_health(
     history = scale_history(scaled)
     advice = recommend(measured, history, grad_scaler)
     return {key: measured.get(key) for key in MEASURED} | history | {"recommendation": advice}
+
+
+# fp4 health: a share of a tensor's blocks that quantize to all zeros (underflow) or saturate
+# worth a warning (a block's scale is set by its largest value: few should clip, few vanish).
+FP4_ALARM = 1e-2
+
+
+def fp4_health(counts: dict, fmt) -> dict:
+    """fp16 health's FP4 sibling, from the blocks every FP4 GEMM of the run quantized: per module
+    class and tensor (input, weight, grad_output), the share of blocks whose scale saturates (a
+    value clipped at E2M1's ±6, the scale clamped at its format's largest, or non-finite) and of
+    blocks not all zero whose values all rounded to zero (underflow). `counts`: (class, tensor) →
+    [blocks, saturated, underflow] (runner/precision/fp4.py's Recipe)."""
+    by_class: dict[str, dict] = {}
+    worst = []
+    for (kind, tensor), c in sorted(counts.items()):
+        blocks, saturated, underflow = (float(v) for v in c.tolist())
+        if not blocks:
+            continue
+        row = {
+            "blocks": int(blocks),
+            "saturated_share": saturated / blocks,
+            "underflow_share": underflow / blocks,
+        }
+        by_class.setdefault(kind, {})[tensor] = row
+        for what in ("saturated", "underflow"):
+            if row[f"{what}_share"] > FP4_ALARM:
+                worst.append(f"{kind} {tensor}: {row[f'{what}_share']:.1%} of blocks {what}")
+    block = f"blocks of {fmt.block}" + (" with an fp32 tensor scale" if fmt.name == "nvfp4" else "")
+    if not by_class:
+        verdict = "no FP4 GEMM ran"
+    elif worst:
+        verdict = f"{fmt.name} ({block}) loses blocks: " + "; ".join(worst)
+    else:
+        verdict = f"{fmt.name} ({block}): under {FP4_ALARM:.0%} of every tensor's blocks saturate or underflow"
+    return {"format": fmt.name, "by_class": by_class, "verdict": verdict}

@@ -10,6 +10,7 @@ import torch
 from runner.errors import UserError
 
 # The compute capability from which a GPU's tensor cores run each arithmetic (mxfp8: Blackwell)
+FP4 = ("nvfp4", "mxfp4")
 TENSOR_CORES = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0), "fp8": (8, 9), "mxfp8": (10, 0)}
 
 
@@ -38,6 +39,8 @@ class DeviceCaps:
         """(native, why) for an arithmetic (a mode's `compute`) on this device."""
         if mode == "fp32":
             return True, "fp32 runs everywhere"
+        if mode in FP4:  # no FP4 kernels are wired: runner/precision/fp4.py emulates them
+            return False, f"{mode} matmuls are emulated here (quantized, dequantized, fp32)"
         if self.type == "cuda":
             cc = self.cuda_capability or (0, 0)
             need = TENSOR_CORES[mode]

@@ -114,6 +114,7 @@ class Fp8Linears(abc.ABC):
     `MXFP8`) says how torchao converts a layer, what it becomes, and its GEMMs' alignment."""
 
     alignment = 16  # the dimensions (and a gradient GEMM's rows) the format's kernels need
+    keys = "precision.fp8"  # where the chooser's keys are (fp4's: precision.fp4)
 
     def __init__(self, cfg):
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
@@ -145,12 +146,12 @@ class Fp8Linears(abc.ABC):
         if any(d % self.alignment for d in dims):
             return f"dimensions {dims[0]}×{dims[1]} are not multiples of {self.alignment}"
         if min(dims) < self.min_features:
-            return f"smaller than precision.fp8.min_features={self.min_features}"
+            return f"smaller than {self.keys}.min_features={self.min_features}"
         for pattern in self.patterns:
             if (pattern == FIRST and name == order[0]) or (pattern == LAST and name == order[-1]):
-                return f"the {pattern} Linear layer (precision.fp8.skip)"
+                return f"the {pattern} Linear layer ({self.keys}.skip)"
             if pattern not in (FIRST, LAST) and fnmatch.fnmatchcase(name, pattern):
-                return f"matches {pattern!r} (precision.fp8.skip)"
+                return f"matches {pattern!r} ({self.keys}.skip)"
         return None
 
     def _kept_blocks(self, model: nn.Module) -> dict[int, str]:
@@ -162,7 +163,7 @@ class Fp8Linears(abc.ABC):
         blocks = model.shard_units() if isinstance(model, Task) else []
         if first + last > len(blocks):
             raise UserError(
-                f"precision.fp8.keep_bf16: first={first} and last={last} blocks, but the model has "
+                f"{self.keys}.keep_bf16: first={first} and last={last} blocks, but the model has "
                 f"{len(blocks)} (those FSDP shards: its longest nn.ModuleList or nn.Sequential)"
             )
         kept = {}
@@ -170,7 +171,7 @@ class Fp8Linears(abc.ABC):
             end = FIRST if i < first else LAST if i >= len(blocks) - last else None
             if end:
                 count = first if end == FIRST else last
-                why = f"in block {i} of {len(blocks)} (precision.fp8.keep_bf16.{end}={count})"
+                why = f"in block {i} of {len(blocks)} ({self.keys}.keep_bf16.{end}={count})"
                 kept |= {id(m): why for m in block.modules()}
         return kept
 

@@ -5,7 +5,18 @@ accept it by its name."""
 from __future__ import annotations
 
 from runner.errors import UserError
-from runner.precision.modes import bf16, bf16_true, fp8, fp16, fp16_master, fp32, mxfp8, tf32
+from runner.precision.modes import (
+    bf16,
+    bf16_true,
+    fp8,
+    fp16,
+    fp16_master,
+    fp32,
+    mxfp4,
+    mxfp8,
+    nvfp4,
+    tf32,
+)
 from runner.precision.modes.base import Mode
 
 # in the order `precision.mode`'s error message lists them
@@ -20,7 +31,7 @@ def register(mode: Mode) -> Mode:
     return mode
 
 
-for _module in (fp32, tf32, fp16, bf16, fp8, mxfp8, fp16_master, bf16_true):
+for _module in (fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4, mxfp4, fp16_master, bf16_true):
     register(_module.MODE)
 
 
