@@ -195,6 +195,11 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         )
         summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
         manifest.report(held, log)
+        if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
+            from runner.project import projection_for_run, show
+
+            summary["projection"] = projection_for_run(cfg, summary, trainer.meter.audited_steps)
+            show(summary["projection"])
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {

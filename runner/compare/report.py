@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare import capacity, deployed, finetune
+from runner.compare import capacity, deployed, finetune, projected
 from runner.compare.dashboard import plot
 from runner.compare.stats import known
 from runner.compare.verdicts import in_short
@@ -65,7 +65,7 @@ def table(groups: list[Group]) -> list[list[str]]:
     # fine-tune's base and trained parts where a row froze weights, before the verdict.
     extra = (capacity.COLUMNS if capacity.measured(groups) else []) + (
         finetune.COLUMNS if finetune.shown(groups) else []
-    )
+    ) + projected.columns(groups)  # runner.project's estimates, marked so
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
     return [[name for name, _, _ in columns]] + [
         [_cell(g, k, f) for _, k, f in columns] for g in groups

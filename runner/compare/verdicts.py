@@ -36,7 +36,7 @@ import math
 import re
 import statistics
 
-from runner.compare import capacity
+from runner.compare import capacity, projected
 from runner.compare.groups import Group, own_figures
 from runner.compare.stats import finite, median_ratio, welch
 
@@ -255,6 +255,7 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
                     g.figures["note"] = "; ".join(filter(None, [g.figures["note"], note]))
     for g in groups:
         g.verdict = g.verdict or "no fp32 run to compare with"
+    projected.fill(groups)  # runner.project's estimates, after the verdicts: they recommend none
 
 
 def in_short(verdict: str) -> str:

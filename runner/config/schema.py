@@ -92,25 +92,6 @@ class Fp8Config:
 
 
 @dataclass
-class Fp4KeepBf16Config(KeepBf16Config):
-    last: int = 1  # NVFP4's recipe keeps the last blocks in bf16 (arXiv 2509.25149)
-
-
-@dataclass
-class Fp4Config:
-    """precision=nvfp4 and mxfp4 (conf/precision/nvfp4.yaml, mxfp4.yaml): fp8's chooser keys, and
-    the recipe's switches (runner/precision/fp4.py)."""
-
-    skip: list[str] = field(default_factory=lambda: ["first", "last"])
-    min_features: int = 0
-    keep_bf16: KeepBf16Config = field(default_factory=Fp4KeepBf16Config)
-    convert_adapters: bool = False
-    weight_2d: bool = True  # weights quantized once in 16×16 tiles: forward and dgrad see one W
-    rht: bool = True  # a 16×16 random Hadamard transform of the weight gradient GEMM's inputs
-    sr: bool = True  # gradients stochastically rounded into FP4
-
-
-@dataclass
 class PrecisionConfig:
     mode: str = "fp32"
     # mode=staged: the modes in force, in order, by optimizer step (conf/precision/staged.yaml).
@@ -148,7 +129,6 @@ class PrecisionConfig:
     # adapters.py).
     adapter_dtype: str = "fp32"
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
-    fp4: Fp4Config = field(default_factory=Fp4Config)  # precision=nvfp4, mxfp4
 
 
 @dataclass
@@ -218,6 +198,12 @@ class RunnerConfig:
     # The table at the end of a run: short (what a person reads first; runner/console.py) or
     # full (every key of summary.json). summary.json holds everything either way.
     summary: str = "short"
+    # The projection (runner/measure/projection.py): each precision's estimated step time,
+    # tokens/s, MFU, speedups and max batch on these GPUs (names of GPU_PEAK_TFLOPS, H100 for
+    # the SXM part, or "all"), from the audited step; never measured. project_precisions: more
+    # precisions to audit one step of and project beside the run's own (fp32, bf16: speedups).
+    project: Any = None
+    project_precisions: list[str] = field(default_factory=list)
 
 
 @dataclass

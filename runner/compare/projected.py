@@ -1,0 +1,58 @@
+"""The projection in the comparison (runner.project; runner/measure/projection.py): each row's
+projected speedup over its baseline row and projected MFU on one GPU (H100 where the sweep
+projected it, else its first), as columns marked as estimates, and a clause after the verdict
+that says what a run on that GPU should check. A projection is never a measurement: it never
+makes a row recommended, and its words never call it measured."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runner.compare.groups import Group
+
+PREFERRED = "H100 SXM"
+
+
+def gpu(groups: list[Group]) -> str | None:
+    """The GPU the columns show: H100 where projected, else the first GPU any row projected."""
+    names = [n for g in groups for n in (g.jobs[0].summary.get("projection") or {})]
+    return PREFERRED if PREFERRED in names else (names[0] if names else None)
+
+
+def columns(groups: list[Group]) -> list[tuple[str, str, str]]:
+    name = gpu(groups)
+    if name is None:
+        return []
+    short = name.split()[0]
+    return [
+        (f"projected {short} speedup (estimate)", "projected_speedup", "{:.2f}×"),
+        (f"projected {short} MFU (estimate)", "projected_mfu", "{:.1%}"),
+    ]
+
+
+def _row(g: Group, name: str) -> dict:
+    projection = g.jobs[0].summary.get("projection") or {}
+    return (projection.get(name) or {}).get(g.precision) or {}
+
+
+def fill(groups: list[Group]) -> None:
+    """Each row's projected figures (NaN where not projected) and the verdict's clause. Called
+    after the verdicts are judged: nothing here changes which row is recommended."""
+    name = gpu(groups)
+    for g in groups:
+        ours = _row(g, name) if name else {}
+        base = _row(g.base, name) if name and g.base is not None else {}
+        t, t_base = ours.get("step_time_s"), base.get("step_time_s")
+        speedup = t_base / t if t and t_base else ours.get(f"speedup_vs_{getattr(g.base, 'precision', 'fp32')}")
+        g.figures["projected_gpu"] = name
+        g.figures["projected_speedup"] = speedup if speedup else math.nan
+        g.figures["projected_mfu"] = ours.get("mfu") if ours.get("mfu") is not None else math.nan
+        g.figures["projected_step_time_s"] = t if t else math.nan
+        if t and speedup and g.base is not None and g.base is not g:
+            g.verdict += (
+                f"; projected on {name}: {speedup:.2f}× {g.base.label}'s step (an estimate from "
+                f"the audited step, never run there: a run on {name} should check its step time"
+                + (f" and its {ours['max_batch']}-sample batch)" if ours.get("max_batch") else ")")
+            )
