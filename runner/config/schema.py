@@ -92,6 +92,25 @@ class Fp8Config:
 
 
 @dataclass
+class Fp4KeepBf16Config(KeepBf16Config):
+    last: int = 1  # NVFP4's recipe keeps the last blocks in bf16 (arXiv 2509.25149)
+
+
+@dataclass
+class Fp4Config:
+    """precision=nvfp4 and mxfp4 (conf/precision/nvfp4.yaml, mxfp4.yaml): fp8's chooser keys, and
+    the recipe's switches (runner/precision/fp4.py)."""
+
+    skip: list[str] = field(default_factory=lambda: ["first", "last"])
+    min_features: int = 0
+    keep_bf16: KeepBf16Config = field(default_factory=Fp4KeepBf16Config)
+    convert_adapters: bool = False
+    weight_2d: bool = True  # weights quantized once in 16×16 tiles: forward and dgrad see one W
+    rht: bool = True  # a 16×16 random Hadamard transform of the weight gradient GEMM's inputs
+    sr: bool = True  # gradients stochastically rounded into FP4
+
+
+@dataclass
 class PrecisionConfig:
     mode: str = "fp32"
     # mode=staged: the modes in force, in order, by optimizer step (conf/precision/staged.yaml).
@@ -129,6 +148,7 @@ class PrecisionConfig:
     # adapters.py).
     adapter_dtype: str = "fp32"
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
+    fp4: Fp4Config = field(default_factory=Fp4Config)  # precision=nvfp4, mxfp4
 
 
 @dataclass

@@ -32,6 +32,7 @@ from runner import console
 from runner.measure.memory import _parts, local
 from runner.measure.truth import short
 from runner.precision import cpu_kernels
+from runner.precision.fp4 import FP4_MM, format_of_scale
 from runner.precision.islands import is_island
 from runner.precision.layers import recomputing
 from runner.precision.modes import mode_of
@@ -185,6 +186,24 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
+def fp4_format(data: torch.Tensor, scales: torch.Tensor) -> str:
+    """An FP4 operand of `amp_runner::fp4_mm`: packed E2M1 data and its block scales, named by
+    the scales' dtype (E4M3: nvfp4, E8M0: mxfp4) and the tile each scale covers."""
+    fmt = format_of_scale(scales)
+    rows, cols = data.shape[0] // scales.shape[0], 2 * data.shape[1] // scales.shape[1]
+    tile = f"block {cols}" if rows == 1 else f"tile {rows}×{cols}"
+    return f"{fmt.name if fmt else '?fp4'} e2m1 {tile}"
+
+
+def _operands(func, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    """(floating operands, their formats): an fp4_mm's two FP4 operands (data and scales) each
+    one format."""
+    if func._overloadpacket is FP4_MM:
+        return [args[0], args[3]], (fp4_format(args[0], args[1]), fp4_format(args[3], args[4]))
+    operands = [a for a in _tensors((args, kwargs)) if a.is_floating_point()]
+    return operands, tuple(dict.fromkeys(operand_format(a) for a in operands))
+
+
 def operand_format(t: torch.Tensor) -> str:
     """The format an operand holds its values in: its dtype, or the fp8 data a torchao tensor
     wraps (float8 training's scaled tensor, with its scaling; an MX tensor, with its block)."""
@@ -225,11 +244,10 @@ class MatmulLog:
         if flops is None:
             self._tally(func, args, kwargs, out)
             return
-        operands = [a for a in _tensors((args, kwargs)) if a.is_floating_point()]
+        operands, formats = _operands(func, args, kwargs)
         if not operands:
             return
         name, module = self.stack.current()
-        formats = tuple(dict.fromkeys(operand_format(a) for a in operands))
         direction = self._direction(func, args, out, operands, module)
         computed = self._computed(func, operands, formats)
         kind = type(module).__name__ if module is not None else "-"
@@ -307,6 +325,8 @@ class MatmulLog:
             for a in operands
         }
         roles.discard(None)
+        if func._overloadpacket is FP4_MM:  # fp4_mm's operands say what they are
+            roles = set(args[6].split(","))
         if roles:  # torchao's fp8 operands say what they are
             return WEIGHT_GRAD if roles == {"dy", "x"} else INPUT_GRAD
         if func._overloadpacket is _aten.convolution_backward:
@@ -323,9 +343,10 @@ class MatmulLog:
 
     @staticmethod
     def _computed(func, operands, formats: tuple) -> str:
-        """The arithmetic: fp8 or mxfp8 where an operand is one, else the dtype PyTorch's kernel
-        received (the fast CPU kernels' fp32), TF32 where CUDA's fp32 matmuls use it."""
-        for low in ("mxfp8", "fp8"):
+        """The arithmetic: nvfp4, mxfp4, fp8 or mxfp8 where an operand is one, else the dtype
+        PyTorch's kernel received (the fast CPU kernels' fp32), TF32 where CUDA's fp32 matmuls
+        use it."""
+        for low in ("nvfp4", "mxfp4", "mxfp8", "fp8"):
             if any(f.startswith(low) for f in formats):
                 return low
         dtype = cpu_kernels.COMPUTED.dtype or operands[0].dtype
@@ -428,7 +449,7 @@ def _expected(mode, precision) -> str:
 
 # How much precision an arithmetic keeps: below the plan's is a break of it; above it (PyTorch's
 # CPU attention computes bf16 in fp32) costs speed only, and is noted.
-_RANK = {"fp8": 0, "mxfp8": 0, "bf16": 1, "fp16": 1, "tf32": 2, "fp32": 3}
+_RANK = {"nvfp4": -1, "mxfp4": -1, "fp8": 0, "mxfp8": 0, "bf16": 1, "fp16": 1, "tf32": 2, "fp32": 3}
 
 
 def _linear_like(kind: str) -> bool:
