@@ -105,8 +105,13 @@ def own_figures(g: Group, timing: dict | None) -> dict:
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     f["memory_source"] = memory_figure(jobs[0].summary)[1]
     f |= capacity.own(g, f["max_batch"])  # how its max batch was found
-    # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's.
-    f["speed_emulated"] = any(j.summary.get("cpu_kernels") == "fast" for j in g.jobs)
+    # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's;
+    # nvfp4/mxfp4 Linears are always emulated (runner/precision/fp4.py)
+    f["speed_emulated"] = any(
+        j.summary.get("cpu_kernels") == "fast"
+        or (j.summary.get("fp8") or {}).get("kernels") == "emulated"
+        for j in g.jobs
+    )
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
         f["samples_per_s_q1"], f["samples_per_s_q3"] = quartiles(timing["samples_per_s_rounds"])

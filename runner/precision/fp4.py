@@ -85,7 +85,7 @@ def e2m1_stochastic(magnitude: Tensor, generator: torch.Generator | None) -> Ten
     """Codes 0..7 of E2M1, rounded up with the probability of the distance from the grid point
     below (unbiased between 0 and 6); saturating at 6."""
     grid = torch.tensor(E2M1_GRID, device=magnitude.device)
-    m = magnitude.clamp(0, E2M1_MAX).nan_to_num(0.0)
+    m = magnitude.clamp(0, E2M1_MAX).nan_to_num(0.0).contiguous()
     below = (torch.bucketize(m, grid, right=True) - 1).clamp(0, 7)
     above = (below + 1).clamp(max=7)
     low, high = grid[below], grid[above]
