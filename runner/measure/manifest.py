@@ -81,7 +81,7 @@ class ModuleStack:
 
     def __init__(self, model: nn.Module):
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
-        self._kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+        self._by_name = dict(model.named_modules())  # held only while the audit lasts
         self.probing = False
         self.forward: list[str] = []
         self.recomputed: list[str] = []  # the modules a recomputed forward is inside
@@ -116,26 +116,14 @@ class ModuleStack:
         return bool(self.recomputed) or recomputing()
 
     def current(self) -> tuple[str, nn.Module | None]:
+        """The module running now: its name and the module (None outside the model)."""
         if self.recomputed:
             name = self.recomputed[-1]
         elif torch._C._current_graph_task_id() != -1:
             name = self.backward
         else:
             name = self.forward[-1] if self.forward else ""
-        return name, self._modules().get(name)
-
-    def current_name(self) -> tuple[str, str]:
-        """`current()`'s module name and class name, without building the name table."""
-        if self.recomputed:
-            name = self.recomputed[-1]
-        elif torch._C._current_graph_task_id() != -1:
-            name = self.backward
-        else:
-            name = self.forward[-1] if self.forward else ""
-        return name, self._kinds.get(name, "-")
-
-    def _modules(self) -> dict[str, nn.Module]:
-        return {n: m for m, n in self.names.items()}
+        return name, self._by_name.get(name)
 
     def _before(self, module: nn.Module, args) -> None:
         name = self.names.get(module)
@@ -289,7 +277,8 @@ class MatmulLog:
         moved = sum(p.numel() * p.element_size() for t in tensors for p in _parts(t))
         if not moved:
             return
-        module, kind = self.stack.current_name()
+        module, instance = self.stack.current()
+        kind = type(instance).__name__ if instance is not None else "-"
         entry = self.other[(module, kind, name)]
         entry[0] += 1
         entry[1] += moved
