@@ -57,17 +57,21 @@ def audit_precision(cfg: DictConfig) -> dict:
         finally:
             console.console.quiet = quiet
         stage = trainer.meter.audited_steps[-1]
-        return projection.run_entry(summary, stage, cfg.dataset.get("batch_size"))
+        rows = trainer.meter.rows
+        return projection.run_entry(
+            summary, stage, cfg.dataset.get("batch_size"), rows[-1] if rows else None
+        )
 
 
-def projection_for_run(cfg: DictConfig, summary: dict, audited_steps: list[dict]) -> dict:
-    """summary.json's `projection` for a run: its own last audited step, and one audited step of
-    each precision of runner.project_precisions it did not run."""
+def projection_for_run(cfg: DictConfig, summary: dict, meter) -> dict:
+    """summary.json's `projection` for a run (`meter`: its trainer's Meter): its own last audited
+    step, and one audited step of each precision of runner.project_precisions it did not run."""
     from runner.measure import projection
 
     gpus = projection.gpu_names(cfg.runner.project)
-    stage = audited_steps[-1]
-    runs = {stage["mode"]: projection.run_entry(summary, stage, cfg.dataset.get("batch_size"))}
+    stage = meter.audited_steps[-1]
+    row = meter.rows[-1] if meter.rows else None
+    runs = {stage["mode"]: projection.run_entry(summary, stage, cfg.dataset.get("batch_size"), row)}
     for name in cfg.runner.project_precisions:
         if name not in runs:
             other = OmegaConf.merge(cfg, {"precision": {"mode": name}, "runner": {"project": None}})

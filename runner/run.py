@@ -198,7 +198,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
         if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
             from runner.project import projection_for_run, show
 
-            summary["projection"] = projection_for_run(cfg, summary, trainer.meter.audited_steps)
+            summary["projection"] = projection_for_run(cfg, summary, trainer.meter)
             show(summary["projection"])
         summary["status"] = "completed"
     except BaseException as e:

@@ -375,13 +375,15 @@ def project(runs: dict[str, dict], gpus: list[str]) -> dict:
     return out
 
 
-def run_entry(summary: dict, stage: dict, micro_batch: int | None) -> dict:
+def run_entry(summary: dict, stage: dict, micro_batch: int | None, row: dict | None = None) -> dict:
     """What `project` needs of one run: its last audited step, tokens and samples per optimizer
-    step (from its measured throughput and step time), its memory coefficients."""
-    step_time = summary.get("step_time_s")
+    step (a logged row's throughput × its step time, the summary's where no row is given), its
+    memory coefficients."""
+    source = row or summary
+    step_time = source.get("step_time_s")
     per_step = {
-        f"{kind}_per_step": summary[f"{kind}_per_s"] * step_time
-        if step_time and summary.get(f"{kind}_per_s")
+        f"{kind}_per_step": source[f"{kind}_per_s"] * step_time
+        if step_time and source.get(f"{kind}_per_s")
         else None
         for kind in ("tokens", "samples")
     }
