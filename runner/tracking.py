@@ -88,6 +88,14 @@ class WandbTracker:
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+        # The run's own clock and what it has seen, so eval metrics plot against wall time and
+        # tokens too (the comparison's time to target): `train_time_s`, the sum of the steps'
+        # times (no evaluation in it), and `tokens_seen` (`samples_seen` where the data has no
+        # tokens); each eval metric again as `by_time/<name>` and `by_tokens/<name>`.
+        for axis in ("train_time_s", "samples_seen", "tokens_seen"):
+            self.run.define_metric(axis)
+        self.clock = {"train_time_s": 0.0, "samples_seen": 0.0, "tokens_seen": 0.0}
+        self._defined: set[str] = set()
 
     @property
     def run_id(self) -> str:
@@ -97,9 +105,36 @@ class WandbTracker:
     def offline_dir(self) -> str | None:
         return self.run.dir.removesuffix("/files") if self.run.settings.mode == "offline" else None
 
+    def carry(self, rows: list[dict]) -> None:
+        """A resumed run's clock goes on from its earlier rows."""
+        for row in rows:
+            self._tick(row)
+
+    def _tick(self, row: dict) -> None:
+        dt = row.get("step_time_s")
+        if isinstance(dt, int | float) and math.isfinite(dt):
+            c = self.clock
+            c["train_time_s"] += dt
+            c["samples_seen"] += (row.get("samples_per_s") or 0.0) * dt
+            c["tokens_seen"] += (row.get("tokens_per_s") or 0.0) * dt
+
+    def _by_clock(self, row: dict) -> dict:
+        """The clock, and the row's eval metrics against it (each defined on first sight)."""
+        evals = {k: v for k, v in row.items() if k.startswith("eval_")}
+        tokens = "tokens_seen" if self.clock["tokens_seen"] > 0 else "samples_seen"
+        extra = dict(self.clock)
+        for key, value in evals.items():
+            if key not in self._defined:
+                self.run.define_metric(f"by_time/{key}", step_metric="train_time_s")
+                self.run.define_metric(f"by_tokens/{key}", step_metric=tokens)
+                self._defined.add(key)
+            extra |= {f"by_time/{key}": value, f"by_tokens/{key}": value}
+        return extra
+
     def log(self, rows: list[dict]) -> None:
         for row in rows:  # at its optimizer step: a row amended with its evaluation merges in
-            self.run.log(row, step=row["step"])
+            self._tick(row)
+            self.run.log(row | self._by_clock(row), step=row["step"])
 
     def table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
         import wandb
@@ -145,6 +180,8 @@ class RunLog:
         tmp.write_text("".join(dumps(r) + "\n" for r in self.previous_rows))
         os.replace(tmp, path)
         self._metrics = open(path, "a", encoding="utf-8")
+        if tracker is not None and hasattr(tracker, "carry"):
+            tracker.carry(self.previous_rows)
 
     def log_rows(self, rows: list[dict]) -> None:
         if self._metrics is None:
@@ -227,6 +264,7 @@ RERUN_KEYS = (
     "trainer.progress_bar",
     "logger",
     "runner.summary",
+    "compare",
     "cache_dir",
 )
 

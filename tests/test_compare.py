@@ -113,8 +113,9 @@ def fake_job(
     train_loss: float | None = None,
 ) -> None:
     """A finished job as the runner leaves it, without training: its training loss falls to
-    `train_loss` (default: `eval_loss`); `summary`: more of its summary.json, `runner`: its
-    config's runner block, `config`: more of its config."""
+    `train_loss` (default: `eval_loss`) and its evaluations (every other step) to `eval_loss`,
+    one sample a step at `speed`; `summary`: more of its summary.json, `runner`: its config's
+    runner block, `config`: more of its config."""
     end = eval_loss if train_loss is None else train_loss
     losses = [end + (20 - step) / 20 for step in range(1, 21)]
     if diverged:
@@ -126,13 +127,18 @@ def fake_job(
         "eval_loss": "nan" if diverged else eval_loss,
         "samples_per_s": speed,
         "samples_per_s_iqr": iqr,
+        "step_time_s": 1 / speed,
         "steps": 20,
         "skipped_steps": 0,
         "peak_memory_mb": 100.0,
     }
     (folder / ".hydra").mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps(summary))
-    rows = [{"step": i + 1, "loss": loss, "loss_scale": 1.0} for i, loss in enumerate(losses)]
+    rows = [
+        {"step": i + 1, "loss": loss, "loss_scale": 1.0, "step_time_s": 1 / speed}
+        | ({"eval_loss": loss if diverged else eval_loss + (19 - i) / 20} if i % 2 else {})
+        for i, loss in enumerate(losses)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config_extra = config
     config = {"precision": {"mode": precision}, "seed": seed or 0, "model": {"_target_": "a.MLP"}}
@@ -161,7 +167,8 @@ def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
             [2.00, 2.02, 1.98],
             [2.01, 2.03, 1.99],
             0.5,
-            "1.50× faster (per-job timing), eval loss within seed noise of fp32 (+0.50%, 95% CI "
+            "1.50× faster (per-job timing), 1.48× faster to the target (1.01× the steps; 95% CI "
+            "1.48× to 1.49×, 3 seeds), eval loss within seed noise of fp32 (+0.50%, 95% CI "
             "-1.77% to +2.77%, 3 seeds) — recommended",
         ),
         (
@@ -173,12 +180,19 @@ def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
         ),
         # Seeds that agree exactly (std 0): no gap where the means agree; a difference that is
         # real but inside the 2% tolerance is no reason to refuse a mode.
-        ([2.0] * 3, [2.0] * 3, 0.0, "1.50× faster (per-job timing), eval loss within seed noise"),
+        (
+            [2.0] * 3,
+            [2.0] * 3,
+            0.0,
+            "1.50× faster (per-job timing), 1.50× faster to the target (1.00× the steps; 95% CI "
+            "1.50× to 1.50×, 3 seeds), eval loss within seed noise",
+        ),
         (
             [2.0] * 3,
             [2.001] * 3,
             500.0,
-            "1.50× faster (per-job timing), eval loss +0.05% vs fp32, beyond seed noise but "
+            "1.50× faster (per-job timing), 1.50× faster to the target (1.00× the steps; 95% CI "
+            "1.50× to 1.50×, 3 seeds), eval loss +0.05% vs fp32, beyond seed noise but "
             "within the 2% tolerance (95% CI +0.05% to +0.05%, 3 seeds) — recommended",
         ),
         # +5% with a spread of 0.1: the interval holds 0, so three seeds cannot tell.
@@ -238,8 +252,8 @@ def test_one_seed_works_as_before_and_says_the_gap_is_untested(tmp_path):
     rows = {r["precision"]: r for r in json.loads((tmp_path / "compare.json").read_text())}
     assert [g.jobs for g in groups] == [[g.jobs[0]] for g in groups]
     assert rows["bf16"]["verdict"] == (
-        "1.50× faster (per-job timing), eval loss within 0.50% of fp32 (one seed: untested "
-        "against seed noise) — recommended"
+        "1.50× faster (per-job timing), 1.48× faster to the target (1.01× the steps; one seed), "
+        "eval loss within 0.50% of fp32 (one seed: untested against seed noise) — recommended"
     )
     assert rows["fp16"]["verdict"] == (
         "eval loss +10.00% vs fp32 (one seed: untested against seed noise) — not recommended"
@@ -253,9 +267,22 @@ def test_one_seed_works_as_before_and_says_the_gap_is_untested(tmp_path):
 @pytest.mark.parametrize(
     "iqr, tail",
     [
-        (4.0, "1.06× faster (per-job timing) within the speed spread, eval loss within 0.00% of "),
-        (1.0, "1.06× faster (per-job timing), eval loss within 0.00% of fp32 "),
-        (None, "1.06× faster (per-job timing), eval loss within 0.00% of fp32 "),
+        (
+            4.0,
+            "1.06× faster (per-job timing) within the speed spread, 1.06× faster to the target "
+            "(1.00× the steps; one seed), eval loss within 0.00% of ",
+        ),
+        (
+            1.0,
+            "1.06× faster (per-job timing), 1.06× faster to the target (1.00× the steps; one "
+            "seed), eval loss within 0.00% of fp32 ",
+        ),
+        # An unmeasured speed: only the steps to the target are told.
+        (
+            None,
+            "1.06× faster (per-job timing), 1.00× the steps to the target (one seed), eval loss "
+            "within 0.00% of fp32 ",
+        ),
     ],
 )
 def test_a_speedup_inside_the_speed_spread_or_without_one_is_never_recommended(tmp_path, iqr, tail):

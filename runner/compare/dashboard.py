@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.compare import capacity
+from runner.compare import capacity, target
 from runner.compare.groups import scales_loss
 from runner.compare.stats import as_float, known, median
 
@@ -156,22 +156,99 @@ def _memory(ax, groups: list[Group]) -> None:
     ax.set(ylabel="MB", title="memory by category")
 
 
+def _target_line(ax, groups: list[Group]) -> None:
+    values = sorted({g.figures["target"] for g in groups if known(g.figures.get("target"))})
+    for k, value in enumerate(values):
+        label = "target" if len(values) == 1 else f"target {value:.4g}"
+        ax.axhline(value, color="k", linestyle=":", linewidth=1, label=label if k < 3 else None)
+
+
+def eval_against(ax, groups: list[Group], axis: str) -> None:
+    """Each row's smoothed eval curve (the mean over its good seeds) against the time
+    (`axis` "time": steps × its step time, as its time to target counts it) or the tokens
+    (or samples) seen, the target drawn, and where each row reaches it marked."""
+    metric = next(
+        (g.figures["target_metric"] for g in groups if g.figures.get("target_metric")), "eval_loss"
+    )
+    counted = (
+        "tokens" if any(known(g.figures.get("tokens_to_target")) for g in groups) else "samples"
+    )
+    for i, g in enumerate(groups):
+        steps, values, seconds, seen = target.curve(g, metric)
+        xs = seconds if axis == "time" else seen
+        if steps and any(known(x) for x in xs):
+            ax.plot(xs, values, marker=".", linewidth=1.2, color=f"C{i}", label=g.label)
+        at = g.figures.get("time_to_target_s" if axis == "time" else f"{counted}_to_target")
+        if known(at) and g.figures.get("target_status") == "reached":
+            ax.plot([at], [g.figures["target"]], "o", color=f"C{i}", markersize=7)
+    _target_line(ax, groups)
+    name = metric.replace("_", " ")
+    if axis == "time":
+        sources = sorted({g.figures["time_source"] for g in groups if g.figures.get("time_source")})
+        how = ", ".join(sources).replace("jobs", "per-job") or "no"
+        ax.set(xlabel=f"seconds (steps × step time: {how} timing)", ylabel=name)
+        ax.set_title(f"{name} against wall time (smoothed; dot: reaches the target)")
+    else:
+        ax.set(xlabel=f"{counted} seen", ylabel=name, title=f"{name} against {counted}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def time_to_target(ax, groups: list[Group], key: str = "time_to_target_s") -> None:
+    """A bar per row: its mean time (or steps) to the target, whiskers its 95% interval over
+    seeds; a row that never reached it, or whose evaluations were too sparse, says so."""
+    x = list(range(len(groups)))
+    tops = [g.figures.get(key, math.nan) for g in groups]
+    heights = [t if known(t) else 0.0 for t in tops]
+    below, above = [], []
+    for g, top in zip(groups, tops, strict=True):
+        low, high = (g.figures.get(f"{key}_ci_{end}", math.nan) for end in ("low", "high"))
+        below.append(max(top - low, 0) if known(low) and known(top) else 0)
+        above.append(max(high - top, 0) if known(high) and known(top) else 0)
+    bars = ax.bar(x, heights, yerr=[below, above], capsize=4, color=[f"C{i}" for i in x])
+    for bar, g, top in zip(bars, groups, tops, strict=True):
+        status = g.figures.get("target_status")
+        words = {"not reached": "not reached", "too sparse": "too sparse", "no curve": "no curve"}
+        if status in words or not known(top):
+            bar.set_hatch("//")
+            label = words.get(status, "untested")
+        else:
+            speedup = g.figures.get("time_to_target_speedup")
+            label = f"{speedup:.2f}×" if known(speedup) and key == "time_to_target_s" else ""
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize="small",
+        )
+    ax.set_xticks(x, [g.label for g in groups], rotation=20, fontsize="small")
+    if key == "time_to_target_s":
+        ax.set(ylabel="seconds", title="time to target (whiskers: 95% CI over seeds)")
+    else:
+        ax.set(ylabel="optimizer steps", title="steps to target (convergence per step)")
+
+
 def plot(groups: list[Group], path: Path) -> None:
-    """compare.png: a 2×2 dashboard."""
+    """compare.png: the dashboard, 2×4 panels (2×5 where the sweep measured the max batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sized = capacity.measured(groups)  # a third column: the largest batch and sequence
-    fig, axes = plt.subplots(2, 3 if sized else 2, figsize=(21 if sized else 14, 9))
+    fig, axes = plt.subplots(2, 5 if sized else 4, figsize=(35 if sized else 28, 9))
     _losses(axes[0][0], groups)
     _gaps(axes[0][1], groups)
     _speed(axes[1][0], groups)
     _memory(axes[1][1], groups)
+    eval_against(axes[0][2], groups, "time")
+    eval_against(axes[0][3], groups, "tokens")
+    time_to_target(axes[1][2], groups)
+    time_to_target(axes[1][3], groups, "steps_to_target")
     if sized:
-        capacity.panel(axes[0][2], groups, "max_batch")
-        capacity.panel(axes[1][2], groups, "max_seq_len")
+        capacity.panel(axes[0][4], groups, "max_batch")
+        capacity.panel(axes[1][4], groups, "max_seq_len")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

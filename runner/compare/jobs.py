@@ -22,6 +22,7 @@ BOOKKEEPING = (
     "cache_dir",
     "trainer.resume",
     "trainer.progress_bar",
+    "compare",
 )
 
 
@@ -40,6 +41,8 @@ class Job:
     identity: tuple = ()
     setting: tuple = ()
     label: str = ""
+    # Where its smoothed eval curve reached the comparison's target (runner/compare/target.py).
+    reach: dict | None = None
 
     @property
     def precision(self) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner import console
-from runner.compare import capacity, deployed, finetune, projected
+from runner.compare import capacity, deployed, finetune, projected, target
 from runner.compare.dashboard import plot
 from runner.compare.stats import known
 from runner.compare.verdicts import in_short
@@ -44,6 +44,8 @@ COLUMNS = [
 
 
 def _cell(group: Group, key: str, fmt: str) -> str:
+    if (said := target.cell(group, key)) is not None:  # "not reached", "untested"
+        return said
     value = getattr(group, key) if key in ("label", "verdict") else group.figures.get(key)
     if key == "plan_held":  # summary.json's plan_held: a run without one did not test it
         return {True: "yes", False: "no"}.get(value, "untested")
@@ -57,16 +59,21 @@ def _cell(group: Group, key: str, fmt: str) -> str:
 
 def _notes(groups: list[Group]) -> list[str]:
     """The rows' notes, each once (the modes of one setting share theirs)."""
-    return list(dict.fromkeys(g.figures["note"] for g in groups if g.figures.get("note")))
+    notes = [g.figures.get(key) for g in groups for key in ("note", "target_note")]
+    return list(dict.fromkeys(note for note in notes if note))
 
 
 def table(groups: list[Group]) -> list[list[str]]:
     # The max-batch columns where the sweep measured it (runner.max_batch=true), and a
     # fine-tune's base and trained parts where a row froze weights, before the verdict.
-    extra = (capacity.COLUMNS if capacity.measured(groups) else []) + (
-        finetune.COLUMNS if finetune.shown(groups) else []
-    ) + projected.columns(groups)  # runner.project's estimates, marked so
+    extra = (
+        (capacity.COLUMNS if capacity.measured(groups) else [])
+        + (finetune.COLUMNS if finetune.shown(groups) else [])
+        + projected.columns(groups)
+    )  # runner.project's estimates, marked so
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
+    at = [name for name, _, _ in columns].index("samples/s IQR") + 1  # time to target after speed
+    columns[at:at] = target.columns(groups)
     return [[name for name, _, _ in columns]] + [
         [_cell(g, k, f) for _, k, f in columns] for g in groups
     ]
@@ -141,8 +148,8 @@ def log_to_wandb(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -
 # The printed table: what fits a terminal (compare.md has every column); the verdicts whole below.
 SHOWN = [
     ("precision", "label", "{}"),
-    ("speedup", "speedup", "{:.2f}×"),
-    ("eval loss", "eval_loss", "{:.4f}"),
+    ("speedup\nstep/target", "speedup", "{:.2f}×"),  # and to the target: _short_cell
+    ("eval\nloss", "eval_loss", "{:.4f}"),
     ("gap [95% CI]", "loss_gap", "{:+.1%}"),
     ("mem\nsaving", "memory_saving", "{:+.0%}"),
 ]
@@ -151,6 +158,10 @@ SHOWN = [
 def _short_cell(group: Group, key: str, fmt: str) -> str:
     """As compare.md's cell, the interval's bounds without their % signs: "+0.1% [-2.0, +2.2]"."""
     cell = _cell(group, key, fmt)
+    if key == "speedup" and known(group.figures.get("target")):  # "1.31×/0.92×": to the target
+        to = _cell(group, "time_to_target_speedup", fmt).partition(" [")[0]
+        short = {"not reached": "never", "untested": "?"}.get(to, to)
+        return f"{cell}/{short}"
     head, bracket, interval = cell.partition(" [")
     return head + bracket + interval.replace("%", "") if bracket else cell
 

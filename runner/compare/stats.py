@@ -87,3 +87,26 @@ def welch(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
         half = t_quantile(0.5 + CONFIDENCE / 2, df) * se
     scale = abs(m2) or 1.0
     return (m1 - m2) / scale, (m1 - m2 - half) / scale, (m1 - m2 + half) / scale
+
+
+def mean_ci(values) -> tuple[float, float, float]:
+    """The mean over seeds and its CONFIDENCE interval (Student's t, n-1 degrees of freedom):
+    (mean, low, high); the interval NaN under two values, a point where they agree exactly."""
+    values = finite(values)
+    if not values:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    half = t_quantile(0.5 + CONFIDENCE / 2, len(values) - 1) * se if se else 0.0
+    return mean, mean - half, mean + half
+
+
+def ratio_ci(ratios) -> tuple[float, float, float]:
+    """Per-seed ratios (a row's against its baseline's job of the same seed) summed up: their
+    geometric mean and its CONFIDENCE interval, a t interval on their logarithms, so that
+    a/b and b/a are each other's inverses and speed ÷ steps stays one figure."""
+    logs = [math.log(r) for r in finite(ratios) if r > 0]
+    mean, low, high = mean_ci(logs)
+    return tuple(math.exp(v) if math.isfinite(v) else math.nan for v in (mean, low, high))

@@ -24,6 +24,7 @@ from runner.compare import capacity, dashboard, finetune, report
 from runner.compare.groups import Group, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.stats import as_float, quartiles
+from runner.compare.target import TargetSpec
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.errors import UserError
@@ -139,7 +140,10 @@ def _job_figures(job: Job, base: Job | None) -> None:
 
 
 def analyse(
-    groups: list[Group], tolerance: float = TOLERANCE, timings: dict | None = None
+    groups: list[Group],
+    tolerance: float = TOLERANCE,
+    timings: dict | None = None,
+    spec: TargetSpec | None = None,
 ) -> list[Group]:
     """Fill each job's figures (against its row's baseline job of the same seed) and health,
     then each row's figures and verdict (runner/compare/verdicts.py: a loss within `tolerance` of the
@@ -154,7 +158,7 @@ def analyse(
                 if j.config.get("seed") == seed and j.summary.get("status") == "completed"
             )
             _job_figures(job, job if g.base is g else next(twins, None))
-    judge(groups, tolerance, timings)
+    judge(groups, tolerance, timings, spec)
     return groups
 
 
@@ -164,23 +168,39 @@ def _settings(jobs: list[Job]) -> RunnerConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunnerConfig), block))
 
 
+def _target(jobs: list[Job], given: dict | None) -> TargetSpec:
+    """The target: the sweep's compare block (from its first job that has one), `given`'s
+    keys (target, target_metric, target_direction: the command line's) over it."""
+    block = next((j.config["compare"] for j in jobs if j.config.get("compare")), {})
+    block = {k: v for k, v in block.items() if k.startswith("target")}
+    block |= {k: v for k, v in (given or {}).items() if v is not None}
+    return TargetSpec(
+        value=block.get("target"),
+        metric=block.get("target_metric") or "eval_loss",
+        direction=block.get("target_direction"),
+    )
+
+
 def compare(
     sweep_dir: Path,
     tolerance: float = TOLERANCE,
     wandb_log: bool = True,
     speed: str | None = None,
+    target: dict | None = None,
 ) -> list[Group]:
     """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
-    or interleaved; None: as the sweep's runner.speed says."""
+    or interleaved; None: as the sweep's runner.speed says. `target`: compare.target,
+    target_metric, target_direction over the sweep's own (runner/compare/target.py)."""
     jobs = load_sweep(sweep_dir)
     settings = _settings(jobs)
+    spec = _target(jobs, target)
     groups = group(jobs)
     timings = None
     if (speed or settings.speed) == "interleaved":
         from runner.compare.interleave import time_sweep  # torch: only when it times
 
         timings = time_sweep(groups, settings)
-    analyse(groups, tolerance, timings)
+    analyse(groups, tolerance, timings, spec)
     paths = report.write(groups, sweep_dir)
     report.show(groups, sweep_dir, paths)
     if wandb_log:
@@ -203,7 +223,8 @@ class CompareCallback(Callback):
             CompareCallback.failed_jobs = sum(
                 j.summary.get("status") != "completed" for j in load_sweep(sweep)
             )
-            compare(sweep, speed=config.runner.speed)
+            given = OmegaConf.to_container(config.compare) if config.get("compare") else None
+            compare(sweep, speed=config.runner.speed, target=given)
         except UserError as e:  # the failed jobs still fail the command
             print(f"error: {e}", file=sys.stderr)
 
@@ -225,9 +246,37 @@ def main(argv: list[str] | None = None) -> None:
         help="each job's own speed, or the precisions timed again side by side in this process "
         "(default: as the sweep's runner.speed says)",
     )
+    parser.add_argument(
+        "--target",
+        type=float,
+        help="the value of --target-metric each row is timed to (default: the sweep's "
+        "compare.target, else the baseline's final eval loss +tolerance)",
+    )
+    parser.add_argument(
+        "--target-metric", help="the evaluation metric of the target (default: eval_loss)"
+    )
+    parser.add_argument(
+        "--target-direction",
+        choices=("lower", "higher"),
+        help="which way is better (default: lower for a loss or error, higher for the rest)",
+    )
     args = parser.parse_args(argv)
+    if args.target_metric is not None and not args.target_metric.startswith("eval_"):
+        print("error: --target-metric: an evaluation metric (eval_loss, ...)", file=sys.stderr)
+        sys.exit(2)
+    given = {
+        "target": args.target,
+        "target_metric": args.target_metric,
+        "target_direction": args.target_direction,
+    }
     try:
-        compare(args.sweep_dir, args.tolerance, wandb_log=not args.no_wandb, speed=args.speed)
+        compare(
+            args.sweep_dir,
+            args.tolerance,
+            wandb_log=not args.no_wandb,
+            speed=args.speed,
+            target=given,
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -36,7 +36,7 @@ import math
 import re
 import statistics
 
-from runner.compare import capacity, projected
+from runner.compare import capacity, projected, target
 from runner.compare.groups import Group, own_figures
 from runner.compare.stats import finite, median_ratio, welch
 
@@ -172,13 +172,87 @@ def _loss_words(g: Group, tolerance: float) -> str:
     return f"{metric} within seed noise of {name} ({gap:+.2%}, {_ci(f)})"
 
 
+def _target_problem(g: Group) -> str:
+    """Why a row that never reached the target cannot be recommended ("" where it did, or where
+    there is nothing to reach): however fast its steps, it never gets there."""
+    f = g.figures
+    if g.base is None or g is g.base or f["target_status"] != "not reached":
+        return ""
+    gap = (f["target_closest"] - f["target"]) / abs(f["target"] or 1.0)
+    metric = f["target_metric"].replace("_", " ")
+    seeds = f" ({f['target_seeds_reached']} of {len(g.counted)} seeds reached it)"
+    return (
+        f"target not reached: its best smoothed {metric} {f['target_closest']:.4g} stayed "
+        f"{abs(gap):.2%} short of {f['target']:.4g}"
+        + (seeds if len(g.counted) > 1 else "")
+        + " — not recommended"
+    )
+
+
+def _target_untested(g: Group) -> str | None:
+    """Why the time to target of a row fit for a recommendation cannot be told (None where it
+    can): no target or no eval curve, a baseline that never reached it, or evaluations too
+    sparse to time the crossing, with the trainer.val_check_interval that would."""
+    f, b, name = g.figures, g.base.figures, _name(g.base)
+    metric = f["target_metric"]
+    if f["target_status"] == "no target":
+        return f"time to target untested: {f['target_from']}"
+    if "no curve" in (f["target_status"], b["target_status"]):
+        return (
+            f"time to target untested: no {metric} evaluated during training "
+            "(trainer.val_check_interval)"
+        )
+    if b["target_status"] == "not reached":
+        return f"time to target untested: {name} never reached the target"
+    sparse = [x for x in (g.base, g) if x.figures["target_status"] == "too sparse"]
+    if sparse:
+        x = sparse[0]
+        n = x.figures["evals_before_target"]
+        return (
+            f"time to target untested: evaluations too sparse to time it ({n} before the target "
+            f"in {x.label}, seed {x.figures['target_sparse_seed']}; at least "
+            f"{target.MIN_EVALS} needed): set trainer.val_check_interval="
+            f"{target.interval_for(g)} or less"
+        )
+    if not math.isfinite(f["time_to_target_speedup"]):
+        return "time to target untested: no step time to take it by"
+    return None
+
+
+def _ci_of(f: dict, key: str) -> str:
+    low, high = f[f"{key}_ci_low"], f[f"{key}_ci_high"]
+    if not math.isfinite(low):
+        return "one seed" if f["seeds"] == 1 else "no interval"
+    return f"95% CI {low:.2f}× to {high:.2f}×, {f['target_seeds_reached']} seeds"
+
+
+def _to_target(g: Group, speed: str, source: str, per_step_only: bool) -> str:
+    """The verdict's head: the step speed and the time to target, both in words."""
+    f = g.figures
+    x, t, r = f["speedup"], f["time_to_target_speedup"], f["steps_to_target_ratio"]
+    if per_step_only:  # its own speed tells nothing: the steps it needs still do
+        return f"{speed}, {r:.2f}× the steps to the target ({_ci_of(f, 'steps_to_target_ratio')})"
+    if x >= 1 and t < 1:  # faster per step, slower to the target: both, in words
+        return (
+            f"{x:.2f}× the step speed, {t:.2f}× to the target: it needs {r:.2f}× the steps "
+            f"({source}; {_ci_of(f, 'time_to_target_speedup')})"
+        )
+    return (
+        f"{speed}, {t:.2f}× {'faster' if t >= 1 else 'the speed'} to the target ({r:.2f}× the "
+        f"steps; {_ci_of(f, 'time_to_target_speedup')})"
+    )
+
+
 def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
-    """Verdicts of the groups fit for a recommendation: the fastest measurably faster one whose
-    step is large enough to tell wins; a speed whose spread is unmeasured is untested."""
+    """Verdicts of the groups fit for a recommendation, ranked by time to target: of the
+    measurably faster ones whose step is large enough to tell, the fastest to the target wins,
+    at least MIN_SPEEDUP there (and, over seeds, its interval clear of 1); a speed whose spread
+    is unmeasured, or a time to target that cannot be told, is untested."""
     inside = {g: _inside_spread(g, base) for g in fit}
     small = {g for g in fit if g is not base and g.figures["too_small_to_tell"]}
     emulated = {g for g in fit if g is not base and g.figures["speed_emulated"]}
     untimed = {g for g in fit if g is not base and inside[g] is None} - emulated
+    untested = {g: _target_untested(g) for g in fit if g is not base}
     fast = [
         g
         for g in fit
@@ -187,10 +261,26 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         and inside[g] is False
         and not {g} & (small | emulated)
     ]
-    best = max(fast, key=lambda g: g.figures["speedup"], default=base)
+    to_target = [
+        g
+        for g in fast
+        if untested[g] is None
+        and g.figures["time_to_target_speedup"] >= MIN_SPEEDUP
+        and not g.figures["time_to_target_speedup_ci_low"] <= 1
+    ]
+    best = max(to_target, key=lambda g: g.figures["time_to_target_speedup"], default=base)
     for g in fit:
         if g is base:
-            shown = "shown to be faster" if small or untimed or emulated else "faster"
+            if base.figures["target_status"] == "not reached":
+                closest = base.figures["target_closest"]
+                g.verdict = (
+                    f"baseline — it never reached the target {base.figures['target']:.4g} "
+                    f"(best {closest:.4g})"
+                    + ("" if best is not base else ": no mode is recommended")
+                )
+                continue
+            unknown = small or untimed or emulated or any(untested.values())
+            shown = "shown to be faster" if unknown else "faster"
             g.verdict = "baseline" + (
                 f" — recommended: no mode is {shown} here" if best is base else ""
             )
@@ -201,6 +291,13 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
             f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
             if math.isfinite(x)
             else f"speed unmeasured ({source})"
+        )
+        f = g.figures
+        measured = untested[g] is None
+        head = (
+            _to_target(g, speed, source, bool({g} & (emulated | small | untimed)))
+            if measured
+            else speed
         )
         if g in emulated:
             tail = (
@@ -213,18 +310,35 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         elif g in untimed:
             tail = "speed untested: its spread was not measured (under two steady timing intervals)"
         elif inside[g]:
-            tail, speed = "no measurable difference", f"{speed} within the speed spread"
+            tail = "no measurable difference"
+            head = head.replace(speed, f"{speed} within the speed spread", 1)
+        elif not measured:
+            tail = untested[g]
+        elif f["time_to_target_speedup"] < 1:
+            tail = "slower to the target"
+        elif g is best:
+            tail = "recommended"
+        elif f["time_to_target_speedup"] >= MIN_SPEEDUP and f["speedup"] >= MIN_SPEEDUP:
+            tail = "faster to the target within seed noise: untested, more seeds would tell"
         else:
-            tail = "recommended" if g is best else ("no gain" if x < MIN_SPEEDUP else "ok")
-        g.verdict = f"{speed}, {_loss_words(g, tolerance)} — {tail}"
+            tail = "no gain" if x < MIN_SPEEDUP else "ok"
+        g.verdict = f"{head}, {_loss_words(g, tolerance)} — {tail}"
 
 
-def judge(groups: list[Group], tolerance: float, timings: dict | None = None) -> None:
+def judge(
+    groups: list[Group],
+    tolerance: float,
+    timings: dict | None = None,
+    spec: target.TargetSpec | None = None,
+) -> None:
     """Each group's figures (against its baseline, `g.base`) and verdict; `timings`, by the
-    row's key: the speed of the rows timed interleaved (runner/compare/interleave.py)."""
+    row's key: the speed of the rows timed interleaved (runner/compare/interleave.py); `spec`:
+    the target each row is timed to (runner/compare/target.py; default: the baseline's final
+    eval loss within `tolerance`)."""
     timings = timings or {}
     for g in groups:
         g.figures = own_figures(g, timings.get(g.key))
+    target.measure(groups, spec or target.TargetSpec(), tolerance)
     for g in groups:
         base, f = g.base, g.figures
         f["too_small_to_tell"], f["note"] = _too_small(base) if base else (None, None)
@@ -245,7 +359,7 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
             f["max_batch_vs_fp32"] = math.nan
             f |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
             f["gap_metric"] = None
-        g.verdict = _problem(g, tolerance)
+        g.verdict = _problem(g, tolerance) or _target_problem(g)
     for base in {g.base for g in groups if g.base is not None}:
         _recommend([g for g in groups if g.base is base and not g.verdict], base, tolerance)
         if base.precision != "fp32":
@@ -255,6 +369,22 @@ def judge(groups: list[Group], tolerance: float, timings: dict | None = None) ->
                     g.figures["note"] = "; ".join(filter(None, [g.figures["note"], note]))
     for g in groups:
         g.verdict = g.verdict or "no fp32 run to compare with"
+        f = g.figures
+        f["target_note"] = None
+        if math.isfinite(f["target"]) and g.base is not None:
+            sources = {x.figures["time_source"] for x in groups if x.base is g.base} - {None}
+            how = {
+                "interleaved": "the interleaved timing's step time",
+                "jobs": "each job's own median step time",
+                "clock": "the run's own clock",
+            }
+            by = "; ".join(how.get(s, s) for s in sorted(sources)) or "no step time"
+            note = (
+                f"target: {target.TargetSpec(metric=f['target_metric'], direction=f['target_direction']).words()} "
+                f"{f['target']:.4f} ({f['target_from']}); time to target = steps to it (the "
+                f"smoothed eval curve, interpolated between evaluations) × {by}"
+            )
+            f["target_note"] = note  # under the table, after the setting's own note
     projected.fill(groups)  # runner.project's estimates, after the verdicts: they recommend none
 
 

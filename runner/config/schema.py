@@ -227,11 +227,24 @@ class RunnerConfig:
 
 
 @dataclass
+class CompareConfig:
+    """The comparison's target (runner/compare/target.py): the value of target_metric each row
+    is timed to; null: the baseline row's final value (mean over its seeds) loosened by the 2%
+    tolerance. target_direction: lower | higher is better; null: lower for a loss, perplexity
+    or error, higher for the rest (eval_accuracy)."""
+
+    target: float | None = None
+    target_metric: str = "eval_loss"
+    target_direction: str | None = None
+
+
+@dataclass
 class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     model: Any = MISSING
     dataset: Any = MISSING
     optim: Any = MISSING

@@ -262,6 +262,21 @@ def validate(cfg: DictConfig) -> None:
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     require(r.summary in ("short", "full"), "runner.summary", r.summary, "short or full")
+    # the comparison's target (runner/compare/target.py); a config saved before it has none
+    c = cfg.get("compare") or OmegaConf.structured(Config).compare
+    direction = c.target_direction
+    require(
+        direction in (None, "lower", "higher"),
+        "compare.target_direction",
+        direction,
+        "lower, higher or null",
+    )
+    require(
+        str(c.target_metric).startswith("eval_"),
+        "compare.target_metric",
+        c.target_metric,
+        "an evaluation metric (eval_loss, eval_accuracy, ...): the curve is the evaluations'",
+    )
     asked = list(r.eval_precisions)
     bad = [name for name in asked if name not in EVAL_PRECISIONS]
     require(not bad, "runner.eval_precisions", asked, "allowed: " + ", ".join(EVAL_PRECISIONS))

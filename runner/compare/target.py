@@ -1,0 +1,348 @@
+"""Time to target: what a user pays to reach a loss, not the speed of a step (issue 31).
+
+The target is a value of an evaluation metric (`compare.target_metric`, eval_loss by default;
+lower is better for losses, perplexities and errors, higher for the rest, unless
+`compare.target_direction` says). By default it is the baseline row's final value of that
+metric, the mean over its seeds, loosened by the comparison's tolerance (2%: what the loss
+verdict already counts as the same convergence), so that every seed of the baseline, and any
+mode that converges as it does, reaches it before the run ends; `compare.target=<value>` sets
+one of a user's own, for every row.
+
+Per job: its evaluations of the metric (metrics.jsonl's rows that carry it), smoothed by a
+centred mean over SMOOTHING evaluations (narrowed symmetrically at the ends, so a straight
+line stays itself and the last evaluation is its own); the first smoothed evaluation at or past
+the target, and the step where the curve crosses it, interpolated linearly from the evaluation
+before; the samples, tokens and wall time (the run's own clock: the sum of its steps' times, no
+evaluation in it) at that step, interpolated the same way. A curve that never reaches it is "not
+reached", with the closest it came; one that reaches it with fewer than MIN_EVALS evaluations
+before is "too sparse" to time, and the verdict asks for a denser trainer.val_check_interval.
+
+Time to target = steps to target × the row's step time: the interleaved timing's where the sweep
+has it (runner/compare/interleave.py), else each job's own median step time (its steady window),
+else the run's own clock at the crossing; `time_source` says which. Over seeds: the mean and its
+95% interval (Student's t). Against the baseline, seed by seed (same seed: same weights and data
+order): `time_to_target_speedup` (the baseline's time over the row's) and `steps_to_target_ratio`
+(the row's steps over the baseline's: convergence per step, which a faster step cannot buy
+back), each the geometric mean over seeds with its 95% interval.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runner.compare.stats import as_float, finite, mean_ci, ratio_ci
+
+if TYPE_CHECKING:
+    from runner.compare.groups import Group
+    from runner.compare.jobs import Job
+
+SMOOTHING = 3  # evaluations in the centred window of the smoothed eval curve
+MIN_EVALS = 4  # evaluations before the target, at least, to time when it is reached
+DENSITY = 8  # the evaluations before the target that the suggested val_check_interval gives
+LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "err", "wer", "cer", "mse", "mae")
+# The keys a row's figures gain here (NaN or None where not measured: every row has them all).
+FIGURES = (
+    "steps_to_target",
+    "samples_to_target",
+    "tokens_to_target",
+    "wall_time_to_target_s",
+    "time_to_target_s",
+    "time_to_target_speedup",
+    "steps_to_target_ratio",
+    "target_closest",
+)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What the comparison times: `value` None for the baseline's own final value."""
+
+    value: float | None = None
+    metric: str = "eval_loss"
+    direction: str | None = None  # lower | higher; None: from the metric's name
+
+    @property
+    def lower(self) -> bool:
+        if self.direction is not None:
+            return self.direction == "lower"
+        name = self.metric.lower()
+        return any(word in name for word in LOWER_IS_BETTER)
+
+    def words(self) -> str:
+        return f"{self.metric.replace('_', ' ')} {'≤' if self.lower else '≥'}"
+
+
+def smooth(values: list[float], window: int = SMOOTHING) -> list[float]:
+    """Each value's centred mean over `window` values, the window narrowed symmetrically near
+    the ends (the first and last values are their own)."""
+    k, n = window // 2, len(values)
+    out = []
+    for i in range(n):
+        h = min(k, i, n - 1 - i)
+        chunk = values[i - h : i + h + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def evaluations(job: Job, metric: str) -> tuple[list[int], list[float]]:
+    """The steps and values of the job's evaluations of `metric` (metrics.jsonl)."""
+    points = [(r["step"], as_float(r.get(metric))) for r in job.rows if metric in r]
+    points = [(s, v) for s, v in points if math.isfinite(v)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def clock(rows: list[dict]) -> dict[int, tuple[float, float, float]]:
+    """Each step's cumulative (seconds, samples, tokens) over the steps up to it: the run's own
+    clock (its steps' times; evaluation and checkpoints are not in them). NaN where a row lacks
+    its timing; tokens NaN where the data has none."""
+    seconds = samples = tokens = 0.0
+    out = {}
+    for r in sorted(rows, key=lambda r: r["step"]):
+        dt = as_float(r.get("step_time_s"))
+        seconds += dt
+        samples += as_float(r.get("samples_per_s")) * dt
+        tokens += as_float(r.get("tokens_per_s")) * dt
+        out[r["step"]] = (seconds, samples, tokens if tokens > 0 else math.nan)
+    return out
+
+
+def _at(table: dict[int, tuple], step: float) -> tuple[float, ...]:
+    """The clock at a (fractional) step, linear between the logged steps around it."""
+    below = max((s for s in table if s <= step), default=None)
+    above = min((s for s in table if s >= step), default=None)
+    if below is None or above is None:
+        return (math.nan,) * 3
+    if below == above:
+        return table[below]
+    w = (step - below) / (above - below)
+    return tuple(a + w * (b - a) for a, b in zip(table[below], table[above], strict=True))
+
+
+def reach(job: Job, spec: TargetSpec, target: float) -> dict:
+    """Where the job's smoothed eval curve first reaches `target`: status ("reached", "too
+    sparse", "not reached", "no curve"), the step (interpolated), samples, tokens and wall
+    time there, the evaluations before it, and the closest the curve came."""
+    steps, values = evaluations(job, spec.metric)
+    out = dict.fromkeys(("step", "samples", "tokens", "wall_s", "closest"), math.nan)
+    out |= {"evals": len(steps), "evals_before": None}
+    if not steps:
+        return out | {"status": "no curve"}
+    curve = smooth(values)
+    sign = 1 if spec.lower else -1
+    out["closest"] = min(curve, key=lambda v: sign * v)
+    hit = next((i for i, v in enumerate(curve) if sign * (v - target) <= 0), None)
+    if hit is None:
+        return out | {"status": "not reached"}
+    if hit == 0:  # at or before the first evaluation: when, no evaluation tells
+        step = float(steps[0])
+    else:
+        before, after = curve[hit - 1], curve[hit]
+        share = (before - target) / (before - after) if before != after else 1.0
+        step = steps[hit - 1] + share * (steps[hit] - steps[hit - 1])
+    seconds, samples, tokens = _at(clock(job.rows), step)
+    status = "reached" if hit >= MIN_EVALS else "too sparse"
+    return out | {
+        "status": status,
+        "step": step,
+        "samples": samples,
+        "tokens": tokens,
+        "wall_s": seconds,
+        "evals_before": hit,
+    }
+
+
+def final_value(job: Job, metric: str) -> float:
+    """The job's last evaluation of `metric` (its curve's, else its summary's)."""
+    _, values = evaluations(job, metric)
+    return values[-1] if values else as_float(job.summary.get(metric))
+
+
+def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[float, str]:
+    """The target for the rows compared with `base`, and where it comes from (in words)."""
+    if spec.value is not None:
+        return float(spec.value), f"compare.target={spec.value:g}"
+    if base is None:
+        return math.nan, "no baseline to take a target from"
+    finals = finite(final_value(j, spec.metric) for j in base.counted)
+    if not finals:
+        return math.nan, f"{base.label} has no {spec.metric} to take a target from"
+    mean = sum(finals) / len(finals)
+    loose = mean + (1 if spec.lower else -1) * tolerance * abs(mean)
+    seeds = f"the mean of {len(finals)} seeds" if len(finals) > 1 else "one seed"
+    return loose, (
+        f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds}) "
+        f"{'+' if spec.lower else '−'}{tolerance:.0%} tolerance"
+    )
+
+
+def _job_time(g: Group, job: Job, step: float, wall_s: float) -> tuple[float, str]:
+    """(time to target, its source) of one job: steps × the row's interleaved step time, else
+    × the job's own median step time, else the run's own clock at the crossing."""
+    f = g.figures
+    if f.get("speed_source") == "interleaved" and math.isfinite(as_float(f.get("step_time_s"))):
+        return step * f["step_time_s"], "interleaved"
+    own = as_float(job.summary.get("step_time_s"))
+    if math.isfinite(own):
+        return step * own, "jobs"
+    return wall_s, "clock"
+
+
+def _status(results: list[dict]) -> str:
+    statuses = [r["status"] for r in results]
+    if not statuses or all(s == "no curve" for s in statuses):
+        return "no curve"
+    for status in ("not reached", "no curve", "too sparse"):
+        if status in statuses:
+            return status
+    return "reached"
+
+
+def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
+    """Every row's time-to-target figures (FIGURES and their intervals, `target`,
+    `target_status`, ...), each job's in `job.reach`. Rows first measure themselves, then
+    each is paired with its baseline's job of the same seed."""
+    for g in groups:
+        value, source = choose(g.base, spec, tolerance)
+        f = g.figures
+        f |= {
+            "target": value if math.isfinite(value) else math.nan,
+            "target_metric": spec.metric,
+            "target_direction": "lower" if spec.lower else "higher",
+            "target_from": source,
+        }
+        f |= dict.fromkeys(FIGURES, math.nan)
+        for key in ("steps_to_target", "time_to_target_s", "time_to_target_speedup"):
+            f[f"{key}_ci_low"] = f[f"{key}_ci_high"] = math.nan
+        f["steps_to_target_ratio_ci_low"] = f["steps_to_target_ratio_ci_high"] = math.nan
+        f |= {"target_status": "no target", "time_source": None, "evals_before_target": None}
+        f |= {"target_seeds_reached": 0, "target_sparse_seed": None}
+        if not math.isfinite(value):
+            for job in g.jobs:
+                job.reach = None
+            continue
+        results = []
+        for job in g.counted:
+            r = reach(job, spec, value)
+            r["time_s"], r["time_source"] = _job_time(g, job, r["step"], r["wall_s"])
+            job.reach = r
+            results.append(r)
+        timed = [r for r in results if r["status"] in ("reached", "too sparse")]
+        f["target_status"] = _status(results)
+        f["target_seeds_reached"] = len(timed)
+        for key, name in (
+            ("step", "steps_to_target"),
+            ("samples", "samples_to_target"),
+            ("tokens", "tokens_to_target"),
+            ("wall_s", "wall_time_to_target_s"),
+            ("time_s", "time_to_target_s"),
+        ):
+            mean, low, high = mean_ci(r[key] for r in timed) if timed else (math.nan,) * 3
+            f[name] = mean
+            if f"{name}_ci_low" in f:
+                f[f"{name}_ci_low"], f[f"{name}_ci_high"] = low, high
+        sources = {r["time_source"] for r in timed}
+        f["time_source"] = sources.pop() if len(sources) == 1 else ("mixed" if sources else None)
+        befores = [r["evals_before"] for r in timed]
+        f["evals_before_target"] = min(befores) if befores else None
+        sparse = [(j, j.reach) for j in g.counted if j.reach["status"] == "too sparse"]
+        if sparse:
+            f["target_sparse_seed"] = sparse[0][0].config.get("seed")
+        missed = [r["closest"] for r in results if r["status"] == "not reached"]
+        sign = 1 if spec.lower else -1
+        if missed:  # the seed that came closest of those that never reached it
+            f["target_closest"] = min(missed, key=lambda v: sign * v)
+    for g in groups:
+        _paired(g)
+
+
+def _paired(g: Group) -> None:
+    """time_to_target_speedup and steps_to_target_ratio against the baseline's job of the
+    same seed, where both timed the target."""
+    f, base = g.figures, g.base
+    if base is None or not math.isfinite(f["target"]):
+        return
+    if g is base:
+        if f["target_status"] in ("reached", "too sparse"):
+            f["time_to_target_speedup"] = f["steps_to_target_ratio"] = 1.0
+        return
+    twins = {j.config.get("seed"): j for j in base.counted if getattr(j, "reach", None)}
+    speedups, ratios = [], []
+    for job in g.counted:
+        twin = twins.get(job.config.get("seed"))
+        ours, theirs = job.reach, twin.reach if twin is not None else None
+        timed = ("reached", "too sparse")
+        if theirs is None or ours["status"] not in timed or theirs["status"] not in timed:
+            continue
+        speedups.append(theirs["time_s"] / ours["time_s"] if ours["time_s"] else math.nan)
+        ratios.append(ours["step"] / theirs["step"] if theirs["step"] else math.nan)
+    for key, values in (("time_to_target_speedup", speedups), ("steps_to_target_ratio", ratios)):
+        f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(values)
+
+
+def interval_for(g: Group) -> int:
+    """A trainer.val_check_interval that puts about DENSITY evaluations before the earliest
+    crossing of the row or its baseline."""
+    steps = [
+        j.reach["step"]
+        for x in filter(None, (g, g.base))
+        for j in x.counted
+        if getattr(j, "reach", None) and math.isfinite(j.reach["step"])
+    ]
+    return max(1, int(min(steps, default=DENSITY) // DENSITY))
+
+
+def curve(g: Group, spec_metric: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """For the dashboard: steps, the mean smoothed eval curve over the row's good seeds, the
+    time at each (steps × its step time, as its time to target takes it; the run's clock where
+    it has no step time) and the samples or tokens seen by then (tokens where the data has
+    them)."""
+    by_step: dict[int, list[tuple[float, float, float]]] = {}
+    for job in g.counted:
+        steps, values = evaluations(job, spec_metric)
+        table = clock(job.rows)
+        for s, v in zip(steps, smooth(values), strict=True):
+            seconds, samples, tokens = table.get(s, (math.nan,) * 3)
+            timed, _ = _job_time(g, job, s, seconds)
+            count = tokens if math.isfinite(tokens) else samples
+            by_step.setdefault(s, []).append((v, timed, count))
+    steps = sorted(by_step)
+    mean = [[sum(p[i] for p in by_step[s]) / len(by_step[s]) for s in steps] for i in range(3)]
+    return steps, *mean
+
+
+def uses_tokens(g: Group) -> bool:
+    return any(math.isfinite(as_float(j.summary.get("tokens_per_s") or math.nan)) for j in g.jobs)
+
+
+# compare.md's columns (after the speed's): the time to target and what it is made of.
+COLUMNS = [
+    ("time to target", "time_to_target_s", "{:.3g} s"),
+    ("to target", "time_to_target_speedup", "{:.2f}×"),
+    ("steps to target", "steps_to_target", "{:.1f}"),
+    ("steps ratio", "steps_to_target_ratio", "{:.2f}×"),
+    ("tokens to target", "tokens_to_target", "{:.0f}"),
+]
+UNTIMED = {"not reached": "not reached", "too sparse": "untested", "no curve": "untested"}
+
+
+def columns(groups: list[Group]) -> list[tuple[str, str, str]]:
+    """COLUMNS, with samples for tokens where the data has no tokens; none where no row has a
+    target."""
+    if not any(math.isfinite(g.figures.get("target", math.nan)) for g in groups):
+        return []
+    tokens = any(math.isfinite(g.figures.get("tokens_to_target", math.nan)) for g in groups)
+    if tokens:
+        return COLUMNS
+    return COLUMNS[:-1] + [("samples to target", "samples_to_target", "{:.0f}")]
+
+
+def cell(g: Group, key: str) -> str | None:
+    """A target column's cell where its status speaks instead of a figure ("not reached",
+    "untested" for a curve too sparse or missing); None where the figure is to be shown."""
+    status = g.figures.get("target_status")
+    if key in {k for _, k, _ in COLUMNS} | {"samples_to_target"} and status in UNTIMED:
+        if status == "not reached" or key in ("time_to_target_s", "time_to_target_speedup"):
+            return UNTIMED[status]
+    return None
