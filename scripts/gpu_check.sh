@@ -5,7 +5,9 @@
 # 2. bert_base in fp32, tf32, fp16, bf16, fp8 and bf16_true with torch.compile, side by side:
 #    samples/s, speedup, peak memory and MFU per precision, in OUT_DIR/sweep/compare.md; gpt2 in
 #    bf16, fp8 and bf16_true in OUT_DIR/gpt2/compare.md (fp8 needs torchao and an sm_89+ GPU);
-# 3. with 2 or more GPUs, DDP and FSDP2 over NCCL on all of them.
+# 3. the projection checked: the same configs eager with runner.project=[this GPU], projected
+#    against measured step time per precision (OUT_DIR/projected-*.md);
+# 4. with 2 or more GPUs, DDP and FSDP2 over NCCL on all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -27,6 +29,20 @@ GPT2=(model=gpt2 dataset.batch_size=16 dataset.seq_len=1024 dataset.num_document
 $PY -m runner -m precision=fp32,bf16,fp8,bf16_true "${GPT2[@]}" "hydra.sweep.dir=$OUT/gpt2" \
   2>&1 | tee "$OUT/gpt2.txt"
 cat "$OUT/gpt2/compare.md"
+# 3. the projection (issue 33) against the real thing: the bert_base and gpt2 configs again,
+#    eager (the projection models eager kernels, no fusion), each job projected on this GPU;
+#    projected against measured step time per precision, to correct the achievable fractions.
+MODEL=$($PY -c "import torch; from runner.measure.flops import device_model; print(device_model(torch.cuda.get_device_name()) or '')")
+if [ -n "$MODEL" ]; then
+  $PY -m runner -m precision=fp32,bf16,fp8 "${BERT_BASE[@]}" trainer.compile=false \
+    "runner.project=[$MODEL]" "hydra.sweep.dir=$OUT/projected-bert" 2>&1 | tee "$OUT/projected-bert.txt"
+  $PY scripts/projection_check.py "$OUT/projected-bert" | tee "$OUT/projected-bert.md"
+  $PY -m runner -m precision=fp32,bf16,fp8 "${GPT2[@]}" trainer.compile=false \
+    "runner.project=[$MODEL]" "hydra.sweep.dir=$OUT/projected-gpt2" 2>&1 | tee "$OUT/projected-gpt2.txt"
+  $PY scripts/projection_check.py "$OUT/projected-gpt2" | tee "$OUT/projected-gpt2.md"
+else
+  echo "projection check skipped: $(nvidia-smi -L | head -1) is not in the peak table" | tee "$OUT/projected.md"
+fi
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -ge 2 ]; then
   for strategy in ddp fsdp; do

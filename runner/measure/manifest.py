@@ -252,9 +252,13 @@ class MatmulLog:
         if entry is None:
             mats = [a for a in operands if a.ndim == 2]
             mkn = None
-            if func._overloadpacket in (_aten.mm, _aten.addmm) and len(mats) >= 2:
-                (m, k), n = mats[-2].shape, mats[-1].shape[1]
-                mkn = [int(m), int(k), int(n)]
+            gemms = {_aten.mm: slice(0, 2), _aten.addmm: slice(-2, None)}
+            if hasattr(_aten, "_scaled_mm"):  # fp8 on a GPU: (a, b, scale_a, scale_b, ...)
+                gemms[_aten._scaled_mm] = slice(0, 2)
+            picked = gemms.get(func._overloadpacket)
+            if picked is not None and len(mats) >= 2:
+                a, b = mats[picked]
+                mkn = [int(a.shape[0]), int(a.shape[1]), int(b.shape[1])]
             entry = self.shapes[sig] = [
                 0,
                 0,
