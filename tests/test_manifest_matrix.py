@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import re
 from collections import defaultdict
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from filelock import FileLock
 from torch import nn
 
 from runner.errors import UserError
@@ -439,23 +441,38 @@ def weights_dtype(mode: str) -> torch.dtype:
 DISTRIBUTED = [c for c in CELLS if c[1] in RANKS and refusal(*c[:2]) is None]
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """The session's folder that every xdist worker sees (the basetemp's parent under xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="module")
 def rank_runs(tmp_path_factory, folders):
-    """Every DDP and FSDP cell, in one pair of rank processes (one start-up for all): per cell,
-    its run folder and its ranks' reports, or the failure that stopped them."""
-    root = tmp_path_factory.mktemp("ranks")
-    jobs = [(overrides(c, folders), root / cell_id(c)) for c in DISTRIBUTED]
-    for _, folder in jobs:
-        folder.mkdir()
-    try:
-        run_ranks(jobs)
-        failure = None
-    except AssertionError as e:  # a failed job stops the ranks: the cells after it fail too
-        failure = e
-    return root, failure
+    """Every DDP and FSDP cell, in one pair of rank processes (one start-up for all): the root
+    of their run folders and the failure that stopped the ranks, if one did. Once per session:
+    the distributed cells come first, so one worker takes them all, and a lock makes any other
+    worker that gets one wait for that launch (pytest 9's node ids ignore xdist_group's suffix,
+    so --dist loadgroup does not keep the group together)."""
+    root = shared_root(tmp_path_factory) / "ranks"
+    with FileLock(f"{root}.lock"):
+        done = root / "done.json"
+        if not done.exists():
+            jobs = [(overrides(c, folders), root / cell_id(c)) for c in DISTRIBUTED]
+            for _, folder in jobs:
+                folder.mkdir(parents=True)
+            try:
+                run_ranks(jobs)
+                failure = None
+            except AssertionError as e:  # a failed job stops the ranks: the cells after it fail
+                failure = str(e)
+            done.write_text(json.dumps({"failure": failure}))
+    return root, json.loads(done.read_text())["failure"]
 
 
 # --- the matrix -----------------------------------------------------------------------------
+
+ORDER = sorted(CELLS, key=lambda c: c not in DISTRIBUTED)  # the launch first, on one worker
 
 
 def test_the_matrix_covers_every_pair():
@@ -468,8 +485,8 @@ def test_the_matrix_covers_every_pair():
 
 @pytest.mark.parametrize(
     "cell",
-    [pytest.param(c, marks=marks(c)) for c in CELLS],
-    ids=[cell_id(c) for c in CELLS],
+    [pytest.param(c, marks=marks(c)) for c in ORDER],
+    ids=[cell_id(c) for c in ORDER],
 )
 def test_cell(cell, folders, tmp_path, monkeypatch, request):
     mode, feature, model = cell
@@ -688,6 +705,15 @@ def check_compile(cell, folders, out, monkeypatch) -> None:
     process's, and an earlier cell of this worker may have compiled the same code: it starts
     empty here."""
     torch._dynamo.reset()
+    if cell[2] != "net":
+        # Inductor's C++ code for an HF model costs 20-90 s on this CPU: Dynamo and AOTAutograd
+        # (the graphs, autocast and fp8 traced) without it; the net's cells run Inductor
+        compile_module = nn.Module.compile
+        monkeypatch.setattr(
+            nn.Module,
+            "compile",
+            lambda self, *a, **k: compile_module(self, *a, **{**k, "backend": "aot_eager"}),
+        )
     # The first step of each precision stage is audited, eagerly: a third step runs compiled
     # after staged's second stage starts at step 2
     summary = run(make_cfg(*overrides(cell, folders), "trainer.max_steps=3"), out)
