@@ -261,3 +261,16 @@ def test_a_lora_adapter_and_its_fp8_base_are_told_apart(tmp_path):
     }
     assert adapters and {o["format"] for o in adapters} == {"bf16"}
     assert summary["plan_held"] is True
+
+
+def test_the_fp32_evaluation_of_a_users_net_records_its_linears(tmp_path):
+    """Under inference_mode an nn.Linear reaches the dispatcher whole (aten.linear, not
+    decomposed into addmm): the fp32 row's record still holds each Linear, in fp32."""
+    cfg = make_cfg(
+        *module_run(NET, "precision=bf16", "runner.eval_precisions=[fp32,bf16]"),
+        "dataset.validation._target_=tests.test_own_model.pairs",
+    )
+    summary = run(cfg, tmp_path)
+    evaluation = summary["precision_manifest"]["evaluation"]["fp32"]["modules"]
+    assert set(evaluation) == LINEARS
+    assert {o["format"] for entry in evaluation.values() for o in entry["ops"]} == {"fp32"}

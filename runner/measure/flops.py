@@ -185,7 +185,14 @@ def _flop_formulas() -> dict:
     ):
         if hasattr(aten, cpu) and cuda in formulas:
             formulas[getattr(aten, cpu)] = formulas[cuda]
+    # Under inference_mode a Linear reaches the dispatcher as aten.linear (not decomposed).
+    formulas[aten.linear] = _linear_flops
     return formulas
+
+
+def _linear_flops(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out_val=None) -> int:
+    """x @ weight.T: two FLOPs per multiply-add, as the matmul formulas count."""
+    return 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1]
 
 
 _FLOP_FORMULAS = _flop_formulas()
