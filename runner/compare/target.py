@@ -21,9 +21,11 @@ Time to target = steps to target × the row's step time: the interleaved timing'
 has it (runner/compare/interleave.py), else each job's own median step time (its steady window),
 else the run's own clock at the crossing; `time_source` says which. Over seeds: the mean and its
 95% interval (Student's t). Against the baseline, seed by seed (same seed: same weights and data
-order): `time_to_target_speedup` (the baseline's time over the row's) and `steps_to_target_ratio`
-(the row's steps over the baseline's: convergence per step, which a faster step cannot buy
-back), each the geometric mean over seeds with its 95% interval.
+order): `steps_to_target_ratio` (the row's steps over the baseline's: convergence per step, which
+a faster step cannot buy back) and `time_to_target_speedup`, the step speedup over that ratio
+(the speedup column's: the median of the interleaved rounds' ratios, so drift between rounds
+cancels, else the job's own against its twin's), so that x× the step speed at r× the steps is
+x/r× as fast to the target; each the geometric mean over seeds with its 95% interval.
 """
 
 from __future__ import annotations
@@ -253,13 +255,18 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
         sign = 1 if spec.lower else -1
         if missed:  # the seed that came closest of those that never reached it
             f["target_closest"] = min(missed, key=lambda v: sign * v)
+
+
+def pair(groups: list[Group]) -> None:
+    """Each row's time_to_target_speedup and steps_to_target_ratio against its baseline's job
+    of the same seed, where both timed the target: the steps ratio r, and the step speedup
+    over it (the interleaved rounds' median ratio, else the job's own against its twin's), so
+    that a row r× the steps and x× the step speed is x/r× as fast to the target."""
     for g in groups:
         _paired(g)
 
 
 def _paired(g: Group) -> None:
-    """time_to_target_speedup and steps_to_target_ratio against the baseline's job of the
-    same seed, where both timed the target."""
     f, base = g.figures, g.base
     if base is None or not math.isfinite(f["target"]):
         return
@@ -275,8 +282,12 @@ def _paired(g: Group) -> None:
         timed = ("reached", "too sparse")
         if theirs is None or ours["status"] not in timed or theirs["status"] not in timed:
             continue
-        speedups.append(theirs["time_s"] / ours["time_s"] if ours["time_s"] else math.nan)
-        ratios.append(ours["step"] / theirs["step"] if theirs["step"] else math.nan)
+        ratio = ours["step"] / theirs["step"] if theirs["step"] else math.nan
+        # the rows' speedup where timed interleaved (per-round ratios: drift cancels), else
+        # this seed's own against its twin's (runner/compare/sweep.py's _job_figures)
+        x = f["speedup"] if f.get("speed_source") == "interleaved" else job.figures["speedup"]
+        ratios.append(ratio)
+        speedups.append(x / ratio if ratio else math.nan)
     for key, values in (("time_to_target_speedup", speedups), ("steps_to_target_ratio", ratios)):
         f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(values)
 

@@ -360,6 +360,7 @@ def judge(
             f |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
             f["gap_metric"] = None
         g.verdict = _problem(g, tolerance) or _target_problem(g)
+    target.pair(groups)  # against the baselines' step speedups, set just above
     for base in {g.base for g in groups if g.base is not None}:
         _recommend([g for g in groups if g.base is base and not g.verdict], base, tolerance)
         if base.precision != "fp32":
