@@ -16,13 +16,14 @@ import math
 import os
 import random
 import re
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from filelock import FileLock
 from torch import nn
 
 from runner.errors import UserError
@@ -30,7 +31,7 @@ from runner.export import export
 from runner.precision import Precision
 from runner.run import run
 from tests.helpers import load_last, make_cfg, read_metrics
-from tests.test_distributed import WORLD, run_ranks
+from tests.test_distributed import PATIENCE_S, WORLD, run_ranks
 from tests.test_hf import NEUTRAL, POSITIVE, _tokenizer
 
 HERE = "tests.test_manifest_matrix"
@@ -447,32 +448,59 @@ def shared_root(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(scope="module")
-def rank_runs(tmp_path_factory, folders):
-    """Every DDP and FSDP cell, in one pair of rank processes (one start-up for all): the root
-    of their run folders and the failure that stopped the ranks, if one did. Once per session:
-    the distributed cells come first, so one worker takes them all, and a lock makes any other
-    worker that gets one wait for that launch (pytest 9's node ids ignore xdist_group's suffix,
-    so --dist loadgroup does not keep the group together)."""
+def _launch(root: Path, cells: list[tuple], folders) -> None:
+    jobs = [(overrides(c, folders), root / cell_id(c)) for c in cells]
+    for _, folder in jobs:
+        folder.mkdir(parents=True)
+    failure = None
+    try:
+        run_ranks(jobs)
+    except Exception as e:  # a failed job stops the ranks: the cells after it fail too
+        failure = f"{type(e).__name__}: {e}"
+    finally:
+        (root / "done.json").write_text(json.dumps({"failure": failure}))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rank_launch(request, tmp_path_factory, folders):
+    """The selected DDP and FSDP cells, in one pair of rank processes (one start-up for all),
+    started in the background when the first worker starts (an atomic claim on a file of the
+    session's shared folder), so they train while the workers run the other cells; their cells
+    come last and wait for it. (pytest 9's node ids ignore xdist_group's suffix, so --dist
+    loadgroup alone does not keep them together.) Yields the root of their run folders."""
     root = shared_root(tmp_path_factory) / "ranks"
-    with FileLock(f"{root}.lock"):
-        done = root / "done.json"
-        if not done.exists():
-            jobs = [(overrides(c, folders), root / cell_id(c)) for c in DISTRIBUTED]
-            for _, folder in jobs:
-                folder.mkdir(parents=True)
-            try:
-                run_ranks(jobs)
-                failure = None
-            except AssertionError as e:  # a failed job stops the ranks: the cells after it fail
-                failure = str(e)
-            done.write_text(json.dumps({"failure": failure}))
-    return root, json.loads(done.read_text())["failure"]
+    cells = [
+        item.callspec.params["cell"]
+        for item in request.session.items
+        if getattr(item, "callspec", None) and item.callspec.params.get("cell") in DISTRIBUTED
+    ]
+    launcher = None
+    if cells:
+        root.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(root / "claimed", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            launcher = threading.Thread(target=_launch, args=(root, cells, folders))
+            launcher.start()
+    yield root
+    if launcher is not None:
+        launcher.join()
+
+
+def rank_failure(root: Path) -> str | None:
+    """Once the launch is done: the failure that stopped the ranks, if one did."""
+    done, deadline = root / "done.json", time.monotonic() + PATIENCE_S
+    while not done.exists():
+        assert time.monotonic() < deadline, "the rank launch did not end"
+        time.sleep(0.2)
+    return json.loads(done.read_text())["failure"]
 
 
 # --- the matrix -----------------------------------------------------------------------------
 
-ORDER = sorted(CELLS, key=lambda c: c not in DISTRIBUTED)  # the launch first, on one worker
+ORDER = sorted(CELLS, key=lambda c: c in DISTRIBUTED)  # last: they wait for the launch
 
 
 def test_the_matrix_covers_every_pair():
@@ -496,7 +524,8 @@ def test_cell(cell, folders, tmp_path, monkeypatch, request):
         refused(overrides(cell, folders), why, out)
         return
     if feature in RANKS:
-        check_ranks(cell, *request.getfixturevalue("rank_runs"))
+        root = request.getfixturevalue("rank_launch")
+        check_ranks(cell, root, rank_failure(root))
         return
     CHECKS.get(feature, check_plain)(cell, folders, out, monkeypatch)
 
