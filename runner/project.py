@@ -123,7 +123,11 @@ def sweep(overrides: list[str]) -> list[tuple[list[str], dict]]:
     axes = []
     for o in parsed:
         key = o.get_key_element()
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        values = (
+            list(o.sweep_string_iterator())
+            if o.is_sweep_override()
+            else [o.get_value_element_as_str()]
+        )
         axes.append([f"{key}={v}" for v in values])
     return [list(point) for point in itertools.product(*axes)]
 

@@ -23,7 +23,9 @@ def main(sweep: Path) -> int:
         projected, measured = row.get("step_time_s"), s.get("step_time_s")
         ratio = f"{measured / projected:.2f}" if projected and measured else "—"
         shown = [f"{t * 1e3:.3g} ms" if t else "—" for t in (projected, measured)]
-        print(f"| {summary_file.parent.name} | {s.get('precision')} | {gpu} | {shown[0]} | {shown[1]} | {ratio} |")
+        print(
+            f"| {summary_file.parent.name} | {s.get('precision')} | {gpu} | {shown[0]} | {shown[1]} | {ratio} |"
+        )
     return 0
 
 

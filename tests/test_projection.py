@@ -29,7 +29,9 @@ class MatMul(nn.Module):
         return a @ b
 
 
-@pytest.mark.parametrize("mkn, bound", [((4096, 4096, 4096), "compute"), ((16384, 16, 16384), "memory")])
+@pytest.mark.parametrize(
+    "mkn, bound", [((4096, 4096, 4096), "compute"), ((16384, 16, 16384), "memory")]
+)
 def test_a_pure_matmul_projects_as_the_hand_calculation(mkn, bound):
     m, k, n = mkn
     a = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
@@ -59,7 +61,14 @@ def _linear_step(m, k, n, mode, recipe="tensorwise", device="meta"):
 
 
 # The README table's corners and its two worked examples (M, K, N of the forward)
-README_SHAPES = [(1024, 2048, 1024), (4096, 8192, 16384), (1024, 1024, 1024), (16384, 16384, 16384), (2048, 4096, 8192), (8192, 1024, 16384)]
+README_SHAPES = [
+    (1024, 2048, 1024),
+    (4096, 8192, 16384),
+    (1024, 1024, 1024),
+    (16384, 16384, 16384),
+    (2048, 4096, 8192),
+    (8192, 1024, 16384),
+]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -71,7 +80,9 @@ def test_fp8_over_bf16_agrees_with_torchaos_roofline(recipe):
         bf16 = P.project_stage(_linear_step(m, k, n, "bf16"), gpu)["step_time_s"]
         fp8 = P.project_stage(_linear_step(m, k, n, "fp8", recipe), gpu)["step_time_s"]
         theirs_bf16 = float(get_gemm_time_sympy(m, k, n, torch.bfloat16, None, None, "NVIDIA H100"))
-        theirs_fp8 = float(get_gemm_time_sympy(m, k, n, torch.float8_e4m3fn, recipe, None, "NVIDIA H100"))
+        theirs_fp8 = float(
+            get_gemm_time_sympy(m, k, n, torch.float8_e4m3fn, recipe, None, "NVIDIA H100")
+        )
         theirs_fp8 += float(get_float8_mem_sympy(m, k, n, recipe, None, False, "NVIDIA H100"))
         assert bf16 / fp8 == pytest.approx(theirs_bf16 / theirs_fp8, rel=0.10), (m, k, n)
 

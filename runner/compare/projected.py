@@ -45,7 +45,11 @@ def fill(groups: list[Group]) -> None:
         ours = _row(g, name) if name else {}
         base = _row(g.base, name) if name and g.base is not None else {}
         t, t_base = ours.get("step_time_s"), base.get("step_time_s")
-        speedup = t_base / t if t and t_base else ours.get(f"speedup_vs_{getattr(g.base, 'precision', 'fp32')}")
+        speedup = (
+            t_base / t
+            if t and t_base
+            else ours.get(f"speedup_vs_{getattr(g.base, 'precision', 'fp32')}")
+        )
         g.figures["projected_gpu"] = name
         g.figures["projected_speedup"] = speedup if speedup else math.nan
         g.figures["projected_mfu"] = ours.get("mfu") if ours.get("mfu") is not None else math.nan

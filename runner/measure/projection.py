@@ -327,7 +327,10 @@ def memory_coefficients(summary: dict, micro_batch: int | None) -> tuple[list[fl
     if not activations or not micro_batch or memory.get("total") is None:
         return None, "no memory accounted"
     static = memory["total"] - activations
-    return [static, activations / micro_batch], "the accounted memory (static + activations per sample)"
+    return [
+        static,
+        activations / micro_batch,
+    ], "the accounted memory (static + activations per sample)"
 
 
 def project(runs: dict[str, dict], gpus: list[str]) -> dict:
@@ -346,8 +349,12 @@ def project(runs: dict[str, dict], gpus: list[str]) -> dict:
             peak = gpu.peaks.get(mode.compute)
             coefficients = run.get("memory_coefficients")
             row |= {
-                "tokens_per_s": run["tokens_per_step"] / t if t and run.get("tokens_per_step") else None,
-                "samples_per_s": run["samples_per_step"] / t if t and run.get("samples_per_step") else None,
+                "tokens_per_s": run["tokens_per_step"] / t
+                if t and run.get("tokens_per_step")
+                else None,
+                "samples_per_s": run["samples_per_step"] / t
+                if t and run.get("samples_per_step")
+                else None,
                 "mfu": row.get("flops_per_step", 0) / t / (peak * 1e12) if t and peak else None,
                 "peak_mode": mode.compute,
                 "max_batch": fitted_max_batch(coefficients, gpu),
@@ -356,7 +363,7 @@ def project(runs: dict[str, dict], gpus: list[str]) -> dict:
             if mode.mfu_also_vs and t and (other := gpu.peaks.get(mode.mfu_also_vs)):
                 row[f"mfu_vs_{mode.mfu_also_vs}_peak"] = row["flops_per_step"] / t / (other * 1e12)
             rows[precision] = row
-        for precision, row in rows.items():
+        for row in rows.values():
             for ref in ("bf16", "fp32"):
                 base = rows.get(ref, {}).get("step_time_s")
                 t = row["step_time_s"]
@@ -388,7 +395,12 @@ def run_entry(summary: dict, stage: dict, micro_batch: int | None, row: dict | N
         for kind in ("tokens", "samples")
     }
     coefficients, source = memory_coefficients(summary, micro_batch)
-    return {"stage": stage, **per_step, "memory_coefficients": coefficients, "memory_source": source}
+    return {
+        "stage": stage,
+        **per_step,
+        "memory_coefficients": coefficients,
+        "memory_source": source,
+    }
 
 
 def crossover(points: list[tuple[float, float | None]]) -> float | None:
@@ -403,7 +415,9 @@ def crossover(points: list[tuple[float, float | None]]) -> float | None:
 def table(projection: dict) -> list[list[str]]:
     """Rows for the console: GPU, precision, projected step time, tokens/s, MFU, speedups,
     max batch, what bounds it."""
-    rows = [["GPU", "precision", "step (est.)", "tokens/s", "MFU", "vs bf16", "vs fp32", "max batch"]]
+    rows = [
+        ["GPU", "precision", "step (est.)", "tokens/s", "MFU", "vs bf16", "vs fp32", "max batch"]
+    ]
     for gpu, precisions in projection.items():
         for precision, r in precisions.items():
             if precision.startswith("_"):
