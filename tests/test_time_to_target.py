@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -342,7 +343,12 @@ def test_wandb_logs_eval_metrics_against_wall_time_and_tokens(tmp_path):
     log.log_rows(rows)
     log.amend_last(rows[-1] | {"eval_loss": 0.7}, {"eval_loss": 0.7})
     log.finish({"status": "completed"})
-    records = read_wandb_records(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    path = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    for _ in range(100):  # W&B's service may still be writing the file as finish() returns
+        records = read_wandb_records(path)
+        if any(r.HasField("history") for r in records):
+            break
+        time.sleep(0.1)
     metrics = {r.metric.name: r.metric for r in records if r.HasField("metric") and r.metric.name}
     assert metrics["by_time/eval_loss"].step_metric == "train_time_s"
     assert metrics["by_tokens/eval_loss"].step_metric == "tokens_seen"
