@@ -122,22 +122,8 @@ def cell_id(cell: tuple) -> str:
     return "-".join(cell)
 
 
-def known_defect(cell: tuple) -> str | None:
-    """Why a cell fails today: a defect this matrix found and reported, not yet fixed."""
-    mode, feature, model = cell
-    if feature == "eval_precisions" and model != "gpt2":
-        # Under inference_mode an nn.Linear reaches the audit's dispatch mode as aten.linear,
-        # which has no FLOP formula, so the manifest records none of the fp32 row's matmuls
-        # (`evaluation.fp32.modules` is empty; GPT-2's Conv1D calls addmm, and is recorded)
-        return "the manifest records no nn.Linear matmul of the fp32 evaluation (aten.linear)"
-    return None
-
-
 def marks(cell: tuple) -> list:
-    out = [pytest.mark.xdist_group("ranks")] if cell in DISTRIBUTED else []
-    if why := known_defect(cell):
-        out.append(pytest.mark.xfail(reason=why, strict=True))
-    return out
+    return [pytest.mark.xdist_group("ranks")] if cell in DISTRIBUTED else []
 
 
 # --- the models ---------------------------------------------------------------------------
