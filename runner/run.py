@@ -55,26 +55,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
     console.log_loader_noise()  # torchao's import noise, kept off the console, into <job>.log
-    record = out / "metrics.jsonl"
-    if not cfg.trainer.resume and record.exists() and record.stat().st_size:
-        # A fresh start would empty it, and a failed build would leave nothing in its place.
-        raise UserError(
-            f"{out} holds an earlier run's metrics.jsonl: continue it with trainer.resume=auto, "
-            "or give this run a folder of its own (hydra.run.dir=...)"
-        )
-    resume = checkpoint.find_resume(cfg.trainer.resume, out)
+    resume = _resume_point(cfg, out)
     state = resume[1] if resume else None
-    if state and state["step"] >= cfg.trainer.max_steps:
-        # A requeued job whose run had finished: it ends at once, and nothing is rewritten.
-        if done := finished_summary(out, state["step"]):
-            require_unchanged(resume[0], state, cfg)  # overrides it would not apply: refused
-            console.say(
-                f"{resume[0]} is at step {state['step']}: the run had finished "
-                f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
-            )
-            if ranks.main:
-                console.summary_table(done, cfg.runner.summary, out / "summary.json")
-            return done
+    if (done := _finished(cfg, out, resume, ranks)) is not None:
+        return done
     log = RunLog(
         out,
         open_tracker(cfg, out, state.get("wandb_run_id") if state else None)
@@ -88,128 +72,26 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     try:
         device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
-        sharded = ranks.enabled and cfg.trainer.strategy == "fsdp"
-        precision = Precision(cfg.precision, device, caps, sharded=sharded, world=ranks.world)
-        console.say(f"precision: {precision.describe()}")
-        for warning in precision.warnings:
-            console.say(f"[yellow]warning:[/] {warning}")
-        for note in precision.kernel_notes():
-            console.say(note)
-        slowdown = {  # measured where the mode runs PyTorch's own emulated kernels
-            mode: emulation_slowdown(caps, mode_of(mode), Path(cfg.cache_dir).expanduser())
-            for _, mode, _ in precision.stages
-            if not precision.emulates(mode)
-        }
-        for mode, factor in slowdown.items():
-            if factor:
-                console.say(
-                    f"[yellow]warning:[/] {mode} matmuls run {factor:.0f}× slower than fp32 on "
-                    f"this CPU (measured), so its speed figures mean little here; "
-                    f"precision=auto picks {caps.best_mode()[0]} on this machine"
-                )
-        summary |= {
-            "precision": precision.name,
-            "precision_requested": precision.requested,
-            "precision_reason": precision.reason,
-            "device": str(device),
-            "device_name": caps.name,
-            "torch_version": torch.__version__,
-        }
+        precision = _precision(cfg, device, caps, ranks)
+        summary |= _device_facts(precision, device, caps)
         cap_threads()
-        if cfg.precision.fp32_modules == "auto":  # short runs find them; training keeps them
-            summary["fp32_islands"] = islands.before_training(cfg, out, state, ranks.enabled)
-        if cfg.runner.max_batch:  # throwaway runs (with the islands found); training as configured
-            summary |= max_batch.search(cfg, device, ranks.world)
-        seed_everything(cfg.seed)
-        with distributed.main_first(ranks):
-            data, task = build(cfg)
-        task.to(device)
-        if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
-            seed_everything(cfg.seed + ranks.rank)
-        plan = manifest.Plan(task, precision)  # what the config asked, before anything converts
-        precision.prepare(task, cfg.precision.fp32_modules)  # islands; fp16_master's masters
-        summary["fp32_head"] = precision.fp32_head  # precision.fp32_head's module (None: off)
-        if cfg.trainer.compile:
-            task.compile()  # in place: parameter names and checkpoints stay as in eager mode
-        reset_peak_memory(device)
-        model = distributed.wrap(task, ranks, cfg.trainer.strategy, precision, device)
-        groups = precision.optimizer_groups(task.parameter_groups())
-        optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
-        state_dtype = cfg.optim.get("state_dtype")
-        truth.watch(optimizers, task, model, precision, state_dtype, summary)  # dtypes held
-        trainer = Trainer(
-            cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks, model
-        )
-        trainer.extra_state = {
-            "config": OmegaConf.to_container(cfg, resolve=True),
-            "wandb_run_id": log.tracker.run_id if log.tracker else None,
-        }
+        summary |= _before_training(cfg, out, state, device, ranks)
+        trainer, plan = _trainer(cfg, precision, device, ranks, log, summary)
         if state is not None:
             trainer.load_state_dict(state)
             console.say(f"resumed from {resume[0]} at step {trainer.step}")
-        summary |= {
-            "task": type(task).__name__,
-            "parameters": sum(p.numel() for p in task.parameters()),
-            **task.describe(),
-            "batch_size": data.batch_size * ranks.world,  # the global batch
-            "world_size": ranks.world,
-            "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
-        }
+        summary |= _describe(trainer, ranks, cfg)
         plan.started()
         summary |= trainer.fit()
-        summary["cpu_kernels"] = precision.cpu_kernels
-        summary |= precision.memory(task)
-        summary["memory"] = trainer_memory(trainer)
-        health = fp16_health(
-            trainer.meter.health,
-            trainer.meter.rows,
-            cfg.precision.grad_scaler,
-            (mode for _, mode, _ in precision.stages),
-        )
-        if health:
-            summary["fp16_health"] = health
-            console.say(f"fp16 health: {health['recommendation']}")
-        summary |= utilisation(summary, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser())
-        if "above_peak" in summary:
-            console.say(f"[yellow]warning:[/] {summary['peak_note']}")
-        if precision.fp8:
-            fp8_flops, flops = (
-                summary.pop("fp8_flops_per_step", None),
-                summary.get("flops_per_step"),
-            )
-            summary["fp8"] = precision.fp8.report() | {
-                "fp8_flops_per_step": fp8_flops,
-                "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
-            }
-        evaluated: dict = {}  # the fp32 evaluation's first batch, as the manifest records it
-        if ranks.main:  # the final weights in each precision of runner.eval_precisions
-            masters = precision.master.masters  # fp16_master: the weights are these
-            summary |= evaluate_precisions(
-                trainer.evaluation, cfg.runner.eval_precisions, masters, evaluated
-            )
-        held = manifest.build(
-            trainer.meter.audited_steps,
-            plan,
-            getattr(summary.get("precision_truth"), "parameters", None),
-            evaluated,
-        )
-        summary |= {"precision_manifest": held, "plan_held": held["plan_held"]}
-        manifest.report(held, log)
-        if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
-            from runner.project import projection_for_run, show
-
-            summary["projection"] = projection_for_run(cfg, summary, trainer.meter)
-            show(summary["projection"])
+        summary |= _measurements(cfg, trainer, precision, caps, summary)
+        summary |= _after_training(cfg, trainer, precision, plan, log, ranks, summary)
         summary["status"] = "completed"
     except BaseException as e:
         status, code = {
             KeyboardInterrupt: ("interrupted", 130),
             Preempted: ("preempted", Preempted.exit_code),
         }.get(type(e), ("failed", 1))
-        summary |= {
-            "status": status,
-            "error": first_line(e),
-        }
+        summary |= {"status": status, "error": first_line(e)}
         if trainer is not None:
             summary["steps"] = trainer.step
         log.finish(summary, exit_code=code)
@@ -221,3 +103,173 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     if ranks.main:
         console.summary_table(summary, cfg.runner.summary, out / "summary.json")
     return summary
+
+
+def _resume_point(cfg: DictConfig, out: Path) -> tuple | None:
+    """The checkpoint to resume from, (path, state), or None; an earlier run's record in `out`
+    without trainer.resume is refused: a fresh start would empty it, and a failed build would
+    leave nothing in its place."""
+    record = out / "metrics.jsonl"
+    if not cfg.trainer.resume and record.exists() and record.stat().st_size:
+        raise UserError(
+            f"{out} holds an earlier run's metrics.jsonl: continue it with trainer.resume=auto, "
+            "or give this run a folder of its own (hydra.run.dir=...)"
+        )
+    return checkpoint.find_resume(cfg.trainer.resume, out)
+
+
+def _finished(cfg: DictConfig, out: Path, resume: tuple | None, ranks) -> dict | None:
+    """A requeued job whose run had finished: its summary (it ends at once, and nothing is
+    rewritten); None for a run with steps to take."""
+    state = resume[1] if resume else None
+    if not state or state["step"] < cfg.trainer.max_steps:
+        return None
+    done = finished_summary(out, state["step"])
+    if done:
+        require_unchanged(resume[0], state, cfg)  # overrides it would not apply: refused
+        console.say(
+            f"{resume[0]} is at step {state['step']}: the run had finished "
+            f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
+        )
+        if ranks.main:
+            console.summary_table(done, cfg.runner.summary, out / "summary.json")
+    return done
+
+
+def _precision(cfg: DictConfig, device: torch.device, caps: DeviceCaps, ranks) -> Precision:
+    """The run's Precision, announced with its warnings, and where the CPU emulates a mode's
+    matmuls with PyTorch's own kernels, how much slower they run (measured)."""
+    sharded = ranks.enabled and cfg.trainer.strategy == "fsdp"
+    precision = Precision(cfg.precision, device, caps, sharded=sharded, world=ranks.world)
+    console.say(f"precision: {precision.describe()}")
+    for warning in precision.warnings:
+        console.say(f"[yellow]warning:[/] {warning}")
+    for note in precision.kernel_notes():
+        console.say(note)
+    for _, mode, _ in precision.stages:
+        if precision.emulates(mode):
+            continue
+        factor = emulation_slowdown(caps, mode_of(mode), Path(cfg.cache_dir).expanduser())
+        if factor:
+            console.say(
+                f"[yellow]warning:[/] {mode} matmuls run {factor:.0f}× slower than fp32 on "
+                f"this CPU (measured), so its speed figures mean little here; "
+                f"precision=auto picks {caps.best_mode()[0]} on this machine"
+            )
+    return precision
+
+
+def _device_facts(precision: Precision, device: torch.device, caps: DeviceCaps) -> dict:
+    return {
+        "precision": precision.name,
+        "precision_requested": precision.requested,
+        "precision_reason": precision.reason,
+        "device": str(device),
+        "device_name": caps.name,
+        "torch_version": torch.__version__,
+    }
+
+
+def _before_training(cfg: DictConfig, out: Path, state, device, ranks) -> dict:
+    """The answers found by throwaway runs before training: the fp32 islands
+    (precision.fp32_modules=auto; training keeps them) and the largest batch."""
+    found: dict = {}
+    if cfg.precision.fp32_modules == "auto":
+        found["fp32_islands"] = islands.before_training(cfg, out, state, ranks.enabled)
+    if cfg.runner.max_batch:  # with the islands found; training as configured
+        found |= max_batch.search(cfg, device, ranks.world)
+    return found
+
+
+def _trainer(cfg: DictConfig, precision: Precision, device, ranks, log: RunLog, summary: dict):
+    """The task built and prepared (islands, the mode's conversions, compile, DDP/FSDP), its
+    optimizers, and the Trainer; with the precision manifest's plan, read before anything
+    converts. Returns (trainer, plan)."""
+    seed_everything(cfg.seed)
+    with distributed.main_first(ranks):
+        data, task = build(cfg)
+    task.to(device)
+    if ranks.enabled:  # the same initial weights everywhere; dropout differs by rank
+        seed_everything(cfg.seed + ranks.rank)
+    plan = manifest.Plan(task, precision)  # what the config asked, before anything converts
+    precision.prepare(task, cfg.precision.fp32_modules)  # islands; fp16_master's masters
+    summary["fp32_head"] = precision.fp32_head  # precision.fp32_head's module (None: off)
+    if cfg.trainer.compile:
+        task.compile()  # in place: parameter names and checkpoints stay as in eager mode
+    reset_peak_memory(device)
+    model = distributed.wrap(task, ranks, cfg.trainer.strategy, precision, device)
+    groups = precision.optimizer_groups(task.parameter_groups())
+    optimizers, schedulers = build_optimizers(cfg.optim, groups, cfg.trainer.max_steps)
+    state_dtype = cfg.optim.get("state_dtype")
+    truth.watch(optimizers, task, model, precision, state_dtype, summary)  # dtypes held
+    trainer = Trainer(
+        cfg.trainer, task, data, precision, optimizers, schedulers, log, device, ranks, model
+    )
+    trainer.extra_state = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "wandb_run_id": log.tracker.run_id if log.tracker else None,
+    }
+    return trainer, plan
+
+
+def _describe(trainer: Trainer, ranks, cfg: DictConfig) -> dict:
+    task = trainer.task
+    return {
+        "task": type(task).__name__,
+        "parameters": sum(p.numel() for p in task.parameters()),
+        **task.describe(),
+        "batch_size": trainer.data.batch_size * ranks.world,  # the global batch
+        "world_size": ranks.world,
+        "accumulate_grad_batches": cfg.trainer.accumulate_grad_batches,
+    }
+
+
+def _measurements(cfg: DictConfig, trainer: Trainer, precision: Precision, caps, summary) -> dict:
+    """What the fit measured beyond its own summary: CPU kernels, memory by category, fp16
+    health, MFU, and fp8's conversions with their FLOP share."""
+    found: dict = {"cpu_kernels": precision.cpu_kernels}
+    found |= precision.memory(trainer.task)
+    found["memory"] = trainer_memory(trainer)
+    health = fp16_health(
+        trainer.meter.health,
+        trainer.meter.rows,
+        cfg.precision.grad_scaler,
+        (mode for _, mode, _ in precision.stages),
+    )
+    if health:
+        found["fp16_health"] = health
+        console.say(f"fp16 health: {health['recommendation']}")
+    found |= utilisation(
+        summary | found, caps, precision.peak_mode, Path(cfg.cache_dir).expanduser()
+    )
+    if "above_peak" in found:
+        console.say(f"[yellow]warning:[/] {found['peak_note']}")
+    if precision.fp8:
+        fp8_flops, flops = summary.pop("fp8_flops_per_step", None), summary.get("flops_per_step")
+        found["fp8"] = precision.fp8.report() | {
+            "fp8_flops_per_step": fp8_flops,
+            "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
+        }
+    return found
+
+
+def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary: dict) -> dict:
+    """The final weights in each precision of runner.eval_precisions (rank 0), the precision
+    manifest held against the plan, and the projection onto GPUs (runner.project)."""
+    found: dict = {}
+    evaluated: dict = {}  # the fp32 evaluation's first batch, as the manifest records it
+    if ranks.main:
+        masters = precision.master.masters  # fp16_master: the weights are these
+        found |= evaluate_precisions(
+            trainer.evaluation, cfg.runner.eval_precisions, masters, evaluated
+        )
+    truth_rows = getattr(summary.get("precision_truth"), "parameters", None)
+    held = manifest.build(trainer.meter.audited_steps, plan, truth_rows, evaluated)
+    found |= {"precision_manifest": held, "plan_held": held["plan_held"]}
+    manifest.report(held, log)
+    if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
+        from runner.project import projection_for_run, show
+
+        found["projection"] = projection_for_run(cfg, summary | found, trainer.meter)
+        show(found["projection"])
+    return found
