@@ -120,14 +120,13 @@ def fake_job(
     losses = [end + (20 - step) / 20 for step in range(1, 21)]
     if diverged:
         losses[-5:] = ["nan"] * 5  # as tracking.jsonable writes a non-finite loss
-    summary = (summary or {}) | {
+    summary = {"step_time_s": 1 / speed} | (summary or {}) | {
         "status": "completed",
         "precision": precision,
         "final_loss": losses[-1],
         "eval_loss": "nan" if diverged else eval_loss,
         "samples_per_s": speed,
         "samples_per_s_iqr": iqr,
-        "step_time_s": 1 / speed,
         "steps": 20,
         "skipped_steps": 0,
         "peak_memory_mb": 100.0,

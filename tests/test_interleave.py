@@ -41,14 +41,16 @@ def interleaved_timing(configs: dict, bf16: float) -> dict:
         (
             103.0,
             1.03,
-            "1.03× faster (interleaved timing) within the speed spread, eval loss within 0.00% of "
-            "fp32 (one seed: untested against seed noise) — no measurable difference",
+            "1.03× faster (interleaved timing) within the speed spread, 1.03× faster to the "
+            "target (1.00× the steps; one seed), eval loss within 0.00% of fp32 (one seed: "
+            "untested against seed noise) — no measurable difference",
         ),
         (
             130.0,
             1.30,
-            "1.30× faster (interleaved timing), eval loss within 0.00% of fp32 (one seed: "
-            "untested against seed noise) — recommended",
+            "1.30× faster (interleaved timing), 1.30× faster to the target (1.00× the steps; one "
+            "seed), eval loss within 0.00% of fp32 (one seed: untested against seed noise) — "
+            "recommended",
         ),
     ],
 )
@@ -138,11 +140,12 @@ def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert [r["too_small_to_tell"] for r in rows] == [small, small]
     assert rows[1]["mfu"] == pytest.approx(flops * 1.5 / 1e13)  # its own, under 5%: no matter
-    start = (
-        "1.50× faster (per-job timing), eval loss within 0.00% of fp32 (one seed: untested against "
-    )
+    loss = "eval loss within 0.00% of fp32 (one seed: untested against "
     notes = (tmp_path / "compare.md").read_text().partition("Notes:")[2]
-    if small:
+    assert "\n- target: eval loss ≤ 2.0400 " in notes  # and the setting's own note, if any
+    notes = "".join(f"\n{n}" for n in notes.splitlines() if n.startswith("- fp32"))
+    if small:  # a step too small to tell: only the steps to the target are told
+        start = f"1.50× faster (per-job timing), 1.00× the steps to the target (one seed), {loss}"
         tail = "too small to tell: fp32's FLOPs are 4.00% of its step at peak"
         assert group.verdict == f"{start}seed noise) — {tail}"
         assert base.verdict == "baseline — recommended: no mode is shown to be faster here"
@@ -152,7 +155,8 @@ def test_a_step_too_small_to_tell_is_never_recommended(tmp_path, flops, small):
             note + "would take 4.00% of its 100 ms step at the device's fp32 matmul peak" in notes
         )
     else:
-        assert group.verdict == f"{start}seed noise) — recommended" and not notes
+        start = "1.50× faster (per-job timing), 1.50× faster to the target (1.00× the steps; one "
+        assert group.verdict == f"{start}seed), {loss}seed noise) — recommended" and not notes
         assert rows[1]["note"] is None
 
 
