@@ -19,7 +19,7 @@ from tests.helpers import TINY_MLP, make_cfg
         (
             ["precision=fp4"],
             "unknown precision 'fp4': choose from auto, bf16, bf16_true, fp16, fp16_master, fp32, "
-            "fp8, mxfp8, staged, tf32",
+            "fp8, mxfp4, mxfp8, nvfp4, staged, tf32",
         ),
         (
             ["model=gpt9"],

@@ -103,7 +103,26 @@ def validate(cfg: DictConfig) -> None:
         require(key in known, key, cfg.get(key), f"not a key (allowed: {', '.join(known)})")
     for group in ("precision", "trainer", "logger", "runner"):
         _validate_known(cfg[group], schema[group], group)
-    t, p = cfg.trainer, cfg.precision
+    _validate_trainer(cfg.trainer)
+    _validate_precision(cfg.precision, cfg.trainer)
+    _validate_grad_scaler(cfg.precision.grad_scaler)
+    _validate_logger(cfg.logger)
+    _validate_modules(cfg.precision)
+    require(
+        integer(cfg.seed) and 0 <= cfg.seed < 2**32,
+        "seed",
+        cfg.seed,
+        "must be an integer in [0, 2**32)",
+    )
+    cache = Path(str(cfg.cache_dir)).expanduser()
+    require(not cache.exists() or cache.is_dir(), "cache_dir", cfg.cache_dir, "must be a folder")
+    _validate_runner(cfg)
+    _validate_compare(cfg.get("compare") or OmegaConf.structured(Config).compare)
+    validate_optim(cfg.optim, cfg.precision["update"])
+    validate_task(cfg)
+
+
+def _validate_trainer(t) -> None:
     for key in (
         "max_steps",
         "accumulate_grad_batches",
@@ -136,6 +155,11 @@ def validate(cfg: DictConfig) -> None:
     )
     require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
     _validate_resume(t.resume)
+
+
+def _validate_precision(p, t) -> None:
+    """The mode (and its refusal under FSDP), a staged schedule, fp8's keys, the bf16 update
+    rule, CPU kernels, adapter and reduce dtypes, fp8's kept blocks."""
     refusal = MODES[p.mode].fsdp_refusal if p.mode in MODES else None
     require(not (t.strategy == "fsdp" and refusal), "precision.mode", p.mode, refusal or "")
     require(
@@ -174,7 +198,9 @@ def validate(cfg: DictConfig) -> None:
         kept = p.fp8.keep_bf16[end]
         key = f"precision.fp8.keep_bf16.{end}"
         require(kept >= 0, key, kept, "a number of the model's blocks: must be ≥ 0")
-    gs = p.grad_scaler
+
+
+def _validate_grad_scaler(gs) -> None:
     require(
         number(gs.init_scale) and gs.init_scale > 0,
         "precision.grad_scaler.init_scale",
@@ -214,7 +240,9 @@ def validate(cfg: DictConfig) -> None:
         cap,
         f"must be null or a finite number ≥ init_scale ({init:g})",
     )
-    lg = cfg.logger
+
+
+def _validate_logger(lg) -> None:
     require(lg.backend in ("wandb", "none"), "logger.backend", lg.backend, "allowed: wandb, none")
     require(
         lg.mode in ("offline", "online", "disabled"),
@@ -222,6 +250,10 @@ def validate(cfg: DictConfig) -> None:
         lg.mode,
         "allowed: offline, online, disabled",
     )
+
+
+def _validate_modules(p) -> None:
+    """precision.fp32_modules and precision.norm_modules: names or fnmatch patterns."""
     islands = p.fp32_modules
     require(
         islands == "auto" or isinstance(islands, ListConfig),
@@ -243,14 +275,10 @@ def validate(cfg: DictConfig) -> None:
             list(p.norm_modules),
             "class names or fnmatch patterns of module names, none empty",
         )
-    require(
-        integer(cfg.seed) and 0 <= cfg.seed < 2**32,
-        "seed",
-        cfg.seed,
-        "must be an integer in [0, 2**32)",
-    )
-    cache = Path(str(cfg.cache_dir)).expanduser()
-    require(not cache.exists() or cache.is_dir(), "cache_dir", cfg.cache_dir, "must be a folder")
+
+
+def _validate_runner(cfg: DictConfig) -> None:
+    p = cfg.precision
     r = cfg.runner
     for key, least in (
         ("seeds", 1),
@@ -262,21 +290,6 @@ def validate(cfg: DictConfig) -> None:
         require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     require(r.summary in ("short", "full"), "runner.summary", r.summary, "short or full")
-    # the comparison's target (runner/compare/target.py); a config saved before it has none
-    c = cfg.get("compare") or OmegaConf.structured(Config).compare
-    direction = c.target_direction
-    require(
-        direction in (None, "lower", "higher"),
-        "compare.target_direction",
-        direction,
-        "lower, higher or null",
-    )
-    require(
-        str(c.target_metric).startswith("eval_"),
-        "compare.target_metric",
-        c.target_metric,
-        "an evaluation metric (eval_loss, eval_accuracy, ...): the curve is the evaluations'",
-    )
     asked = list(r.eval_precisions)
     bad = [name for name in asked if name not in EVAL_PRECISIONS]
     require(not bad, "runner.eval_precisions", asked, "allowed: " + ", ".join(EVAL_PRECISIONS))
@@ -307,5 +320,20 @@ def validate(cfg: DictConfig) -> None:
         r.max_batch,
         "precision=staged changes its memory by stage: search each stage's mode on its own",
     )
-    validate_optim(cfg.optim, update)
-    validate_task(cfg)
+
+
+def _validate_compare(c) -> None:
+    """The comparison's target (runner/compare/target.py); a config saved before it has none."""
+    direction = c.target_direction
+    require(
+        direction in (None, "lower", "higher"),
+        "compare.target_direction",
+        direction,
+        "lower, higher or null",
+    )
+    require(
+        str(c.target_metric).startswith("eval_"),
+        "compare.target_metric",
+        c.target_metric,
+        "an evaluation metric (eval_loss, eval_accuracy, ...): the curve is the evaluations'",
+    )

@@ -82,7 +82,7 @@ def test_sweep_runs_every_precision_in_one_process_without_leaks(tmp_path):
         (
             ["precision=fp4"],
             "error: unknown precision 'fp4': choose from auto, bf16, bf16_true, fp16, fp16_master, "
-            "fp32, fp8, mxfp8, staged, tf32",
+            "fp32, fp8, mxfp4, mxfp8, nvfp4, staged, tf32",
         ),
         (["model=resnet9"], "error: unknown model 'resnet9'"),
         (
