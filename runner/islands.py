@@ -1,5 +1,5 @@
 """`python -m runner.islands [overrides]`: the fp32 islands a model needs to train in its
-precision (runner/answers/islands.py), with the overrides `python -m runner` takes. It
+precision (runner/answers/island_search.py), with the overrides `python -m runner` takes. It
 prints the trials and the config line to use, and writes islands.json in its output folder."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from runner.errors import UserError, fail
 
 def markdown(result: dict) -> str:
     """The trials as a table, then the verdict."""
-    from runner.answers import islands as island_search
+    from runner.answers import island_search
 
     lines = [
         "| trial | fp32 modules | outcome | final loss | fp32 FLOPs |",
@@ -50,7 +50,7 @@ def markdown(result: dict) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def job(cfg: DictConfig) -> None:
-    from runner.answers import islands as island_search  # heavy: the command line is good
+    from runner.answers import island_search  # heavy: the command line is good
     from runner.run import output_dir
 
     try:

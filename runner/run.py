@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
-from runner.answers import islands, max_batch
+from runner.answers import island_search, max_batch
 from runner.answers.inference import evaluate_precisions
 from runner.build import build, seed_everything
 from runner.config.validation import validate
@@ -175,7 +175,7 @@ def _before_training(cfg: DictConfig, out: Path, state, device, ranks) -> dict:
     (precision.fp32_modules=auto; training keeps them) and the largest batch."""
     found: dict = {}
     if cfg.precision.fp32_modules == "auto":
-        found["fp32_islands"] = islands.before_training(cfg, out, state, ranks.enabled)
+        found["fp32_islands"] = island_search.before_training(cfg, out, state, ranks.enabled)
     if cfg.runner.max_batch:  # with the islands found; training as configured
         found |= max_batch.search(cfg, device, ranks.world)
     return found

@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 from runner.answers.inference import cast_copy, evaluate_precisions
 from runner.compare import compare
 from runner.errors import UserError
-from runner.precision import Precision, islands
+from runner.precision import Precision, fp32_islands
 from runner.run import build, run
 from runner.train.evaluation import Evaluation, Variant, evaluating
 from runner.train.evaluation import run as evaluation_run
@@ -162,7 +162,7 @@ def test_a_cast_batchnorm_model_is_measured_as_the_test_measures_it(tmp_path, mo
 def test_a_cast_copy_leaves_the_trained_weights_alone_and_keeps_islands_fp32():
     cfg = make_cfg(*VISION["resnet"], "dataset.batch_size=8", *QUIET)
     data, task = build(cfg)
-    islands.keep_fp32(task, ["head"], "cpu")
+    fp32_islands.keep_fp32(task, ["head"], "cpu")
     before = {k: v.clone() for k, v in task.state_dict().items()}
     half = cast_copy(task, torch.float16)
     assert half.features[0].weight.dtype == torch.float16

@@ -1,4 +1,4 @@
-"""The fp32 islands search (runner/answers/islands.py): a net with one layer whose
+"""The fp32 islands search (runner/answers/island_search.py): a net with one layer whose
 activations pass fp16's 65504 trains in fp16 once that layer is found and kept in fp32; a net
 that overflows in more layers than `runner.islands_max` gets "no small set: use bf16"; a run
 that ends finite but overflows on the way, or skips steps once its loss scale settled, does not
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from runner.answers.islands import calibration, loss_fault, range_fault, search
+from runner.answers.island_search import calibration, loss_fault, range_fault, search
 from runner.compare import compare, interleave
 from runner.config.validation import validate
 from runner.errors import UserError

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from runner.precision import layers
-from runner.precision.islands import keep_fp32
+from runner.precision.fp32_islands import keep_fp32
 from tasks.module import recompute_in_backward
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.answers import inference
-from runner.precision import Precision, cpu_kernels, islands
+from runner.precision import Precision, cpu_kernels, fp32_islands
 from runner.precision.fp8 import Fp8Linears
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run, read_metrics
@@ -118,7 +118,7 @@ def test_an_island_computes_in_fp32_in_every_direction(tmp_path, monkeypatch):
     assert summary["plan_held"] is True
 
     monkeypatch.setattr(
-        islands, "_island", lambda _device, _module, forward, *a, **k: forward(*a, **k)
+        fp32_islands, "_island", lambda _device, _module, forward, *a, **k: forward(*a, **k)
     )
     broken = run(cfg(), tmp_path / "broken")
     assert broken["plan_held"] is False

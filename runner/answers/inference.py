@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from runner.errors import first_line
 from runner.measure import manifest
-from runner.precision import islands, layers
+from runner.precision import fp32_islands, layers
 from runner.precision.fp8 import _carry
 from runner.task import DISTRIBUTION, Task
 from runner.train.evaluation import Evaluation, Predictions, Variant, evaluating, run
@@ -111,7 +111,7 @@ def cast_copy(task: Task, dtype: torch.dtype) -> Task:
     kept = {
         id(t)
         for module in task.modules()
-        if islands.is_island(module)
+        if fp32_islands.is_island(module)
         for t in chain(module.parameters(), module.buffers())
     }
     memo: dict[int, object] = {}

@@ -124,7 +124,7 @@ class PrecisionConfig:
     cpu_kernels: str = "auto"
     # Submodules (names as in model.named_modules(), e.g. model.cls) run with autocast off and
     # their inputs cast to fp32: for sensitive layers and ops that only support fp32. Or auto:
-    # found before training by short runs (runner/answers/islands.py). Any, not
+    # found before training by short runs (runner/answers/island_search.py). Any, not
     # list[str] (OmegaConf has no unions): validation allows a list of names or "auto".
     fp32_modules: Any = field(default_factory=list)
     # A language model's output projection (Task.output_head) as one more fp32 island, in every

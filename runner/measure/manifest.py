@@ -33,7 +33,7 @@ from runner.measure.memory import _parts, local
 from runner.measure.truth import short
 from runner.precision import cpu_kernels
 from runner.precision.fp4 import FP4_MM, format_of_scale
-from runner.precision.islands import is_island
+from runner.precision.fp32_islands import is_island
 from runner.precision.layers import recomputing
 from runner.precision.modes import mode_of
 

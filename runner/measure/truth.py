@@ -15,7 +15,7 @@ from rich.markup import escape
 from runner import console
 from runner.measure.memory import local
 from runner.precision.adapters import adapter_parameters
-from runner.precision.islands import is_island
+from runner.precision.fp32_islands import is_island
 from runner.precision.modes import mode_of
 from runner.precision.norms import norm_layers
 from runner.precision.reduce import bf16_average

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from runner.errors import UserError
-from runner.precision import islands
+from runner.precision import fp32_islands
 from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.master import MasterWeights
@@ -107,9 +107,9 @@ class Precision:
     def prepare(self, model: torch.nn.Module, fp32_modules: Sequence[str] = ()) -> None:
         """The fp32 islands, and `fp32_head` (precision.fp32_head's output head), in every mode
         (a later stage may autocast); then each stage's mode does what it does to the model once."""
-        self.fp32_head = islands.output_head(model) if self.cfg.fp32_head else None
+        self.fp32_head = fp32_islands.output_head(model) if self.cfg.fp32_head else None
         names = [*fp32_modules, self.fp32_head] if self.fp32_head else fp32_modules
-        kept = islands.keep_fp32(model, names, self.device.type)
+        kept = fp32_islands.keep_fp32(model, names, self.device.type)
         norms = norm_layers(model, self.cfg.norm_modules)  # in every mode: a typo is an error
         for mode in dict.fromkeys(m for _, m, _ in self.stages):
             mode_of(mode).convert(self, model, kept, norms)

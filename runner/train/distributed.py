@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runner.errors import UserError
-from runner.precision.islands import is_island
+from runner.precision.fp32_islands import is_island
 from runner.precision.norms import norm_layers
 from runner.precision.reduce import bf16_average
 
