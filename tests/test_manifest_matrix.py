@@ -688,12 +688,15 @@ def check_resume(cell, folders, out, monkeypatch) -> None:
     assert_manifest(first)
     initial = watch.initial
     written = load_last(out)
+    [step_1] = read_metrics(out)
     resumed_overrides = [*overrides(cell, folders, mode=other), "trainer.resume=auto"]
     if other != mode:
         resumed_overrides.append("trainer.resume_across_precision=true")
     summary = run(make_cfg(*resumed_overrides), out)
     assert_manifest(summary)
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    rows = read_metrics(out)  # step 1 as the first run wrote it (its timings too), then step 2
+    assert [r["step"] for r in rows] == [1, 2] and rows[0] == step_1
+    assert [s["step"] for s in summary["precision_manifest"]["stages"]] == [2]
     assert summary["precision_requested"] == other
     final = load_last(out)
     assert final["step"] == 2
