@@ -115,7 +115,9 @@ def test_a_block_of_zeros_and_a_block_with_inf_or_nan(fmt):
     q = quantize(x, fmt)
     assert torch.equal(q.dequantize()[0, : fmt.block], torch.zeros(fmt.block))
     assert not q.underflow.any() and q.dequantize().isfinite().all()
-    assert torch.equal(quantize(torch.zeros(2, fmt.block), fmt).dequantize(), torch.zeros(2, fmt.block))
+    assert torch.equal(
+        quantize(torch.zeros(2, fmt.block), fmt).dequantize(), torch.zeros(2, fmt.block)
+    )
     for bad in (float("inf"), float("nan")):
         y = x.clone()
         y[1, 3] = bad
@@ -262,18 +264,23 @@ def test_the_manifest_sees_fp4_gemms_and_keep_bf16_and_islands_move_them(tmp_pat
     assert fp4_modules(default) == converted
     for o in ops(default, prefix="net.blocks.0.mlp.0"):
         assert o["format"] == "nvfp4" and o["op"] == "fp4_mm"
-        assert o["inputs"] == {
-            "forward": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 tile 16×16"],
-            "input_grad": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 tile 16×16"],
-            "weight_grad": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 block 16"],
-        }[o["direction"]]
+        assert (
+            o["inputs"]
+            == {
+                "forward": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 tile 16×16"],
+                "input_grad": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 tile 16×16"],
+                "weight_grad": ["nvfp4 e2m1 block 16", "nvfp4 e2m1 block 16"],
+            }[o["direction"]]
+        )
     # bf16 (computed in fp32 where precision.cpu_kernels=fast does)
     assert {o["format"] for o in ops(default, prefix="net.blocks.3.")} <= {"fp32", "bf16"}
     assert default["fp8"]["fp8_flop_share"] > 0
     health = default["fp8"]["fp4_health"]["by_class"]["Linear"]
     assert set(health) == {"input", "weight", "grad_output"}
 
-    kept0 = run(make_cfg(*gpt("precision=nvfp4", "precision.fp4.keep_bf16.last=0")), tmp_path / "all")
+    kept0 = run(
+        make_cfg(*gpt("precision=nvfp4", "precision.fp4.keep_bf16.last=0")), tmp_path / "all"
+    )
     assert fp4_modules(kept0) == converted | block[3]
     island = run(
         make_cfg(*gpt("precision=nvfp4", "precision.fp32_modules=[net.blocks.0.mlp]")),
@@ -283,7 +290,10 @@ def test_the_manifest_sees_fp4_gemms_and_keep_bf16_and_islands_move_them(tmp_pat
     assert {o["format"] for o in ops(island, prefix="net.blocks.0.mlp.")} == {"fp32"}
     assert island["plan_held"] is True
     assert "inside an fp32 island" in island["fp8"]["skipped"]["net.blocks.0.mlp.0"]
-    assert read_metrics(tmp_path / "island")[-1]["loss"] != read_metrics(tmp_path / "default")[-1]["loss"]
+    assert (
+        read_metrics(tmp_path / "island")[-1]["loss"]
+        != read_metrics(tmp_path / "default")[-1]["loss"]
+    )
 
     monkeypatch.setattr(
         Fp4Linears, "_switch", lambda self, module, fwd, x: nn.Linear.forward(module, x)

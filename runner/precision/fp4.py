@@ -48,7 +48,15 @@ E2M1_EMAX = 2  # floor(log2(6)): MX's shared exponent is the block's amax's minu
 HADAMARD_SIZE = 16
 # Ties go to the even code (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4, 5 → 4):
 # a magnitude counts past a tie point that rounds down only when above it.
-_TIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_TIES = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 @dataclass(frozen=True)
@@ -413,14 +421,17 @@ class Fp4Linears(Fp8Linears):
         for name, layer in self._converted().items():
             layer.replaced = classes.get(name, "Linear")
         self.skipped = {
-            name: why.replace("precision.fp8.", f"{self.keys}.") for name, why in self.skipped.items()
+            name: why.replace("precision.fp8.", f"{self.keys}.")
+            for name, why in self.skipped.items()
         }
 
     def _convert(self, model: nn.Module, chosen: set[str]) -> None:
         for name in chosen:
             parent, _, child = name.rpartition(".")
             old = model.get_submodule(name)
-            new = Fp4Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+            new = Fp4Linear(
+                old.in_features, old.out_features, bias=old.bias is not None, device="meta"
+            )
             new.weight, new.bias = old.weight, old.bias
             new.recipe = self.recipe
             setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -464,4 +475,13 @@ class _Fp4Gemms(TorchDispatchMode):
         return out
 
 
-__all__ = ["FORMATS", "MXFP4", "NVFP4", "Fp4Linear", "Fp4Linears", "Quantized", "fp4_mm", "quantize"]
+__all__ = [
+    "FORMATS",
+    "MXFP4",
+    "NVFP4",
+    "Fp4Linear",
+    "Fp4Linears",
+    "Quantized",
+    "fp4_mm",
+    "quantize",
+]
