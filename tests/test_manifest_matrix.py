@@ -395,7 +395,7 @@ def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
         assert mine, f"the island {island} ran no recorded op"
         assert {(o["format"], tuple(o["inputs"])) for o in mine} == {("fp32", ("fp32",))}, mine
         assert {"forward", "weight_grad"} <= {o["direction"] for o in mine}, mine
-    if summary.get("fp8"):
+    if summary["precision"] in FP8:
         fp8 = summary["fp8"]
         assert fp8["converted"], fp8  # every model here has an aligned Linear to convert
         low = {o["module"] for o in seen if o["format"] in FP8}
