@@ -219,7 +219,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 QUIET = ["trainer.progress_bar=false", "logger=none", "trainer.log_every_n_steps=1"]
-# name: (freeze prefix, LoRA targets, explicit island, output head, a big weight, keep_bf16's block)
+# name: (freeze prefix, LoRA targets, explicit island, output head, a big Linear)
 SPECS = {
     "net": ("blocks.1", "[blocks.1.0,blocks.2.0]", "net.blocks.1", "net.head", "net.blocks.1.0"),
     "gpt2": (
