@@ -8,17 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from runner.measure import manifest
 from runner.measure import projection as P
 from runner.measure.flops import PrecisionAudit
+from runner.measure.matmuls import MatmulLog
+from runner.measure.module_stack import ModuleStack
 
 pytest.importorskip("torchao")
 
 
 def _audit(model: nn.Module, step, mode: str) -> dict:
     """The audited step's record of `step()`, as Meter.audited keeps it."""
-    stack = manifest.ModuleStack(model)
-    log = manifest.MatmulLog(stack)
+    stack = ModuleStack(model)
+    log = MatmulLog(stack)
     with stack, PrecisionAudit(log):
         step()
     return {"mode": mode, "step": 1, "ops": log.records(), "traffic": log.traffic()}

@@ -14,9 +14,11 @@ from collections.abc import Callable
 import torch
 
 from runner import console
-from runner.measure import manifest
 from runner.measure.flops import PrecisionAudit
+from runner.measure.manifest_table import show as show_manifest
+from runner.measure.matmuls import MatmulLog
 from runner.measure.memory import SavedActivations
+from runner.measure.module_stack import ModuleStack
 from runner.task import Batch
 
 
@@ -136,8 +138,8 @@ class Meter:
         if self.audit is not None:
             yield
             return
-        stack = manifest.ModuleStack(self.task) if self.task is not None else None
-        matmuls = manifest.MatmulLog(stack) if stack is not None else None
+        stack = ModuleStack(self.task) if self.task is not None else None
+        matmuls = MatmulLog(stack) if stack is not None else None
         with torch.compiler.set_stance("force_eager"):
             self.health = probe() or self.health
             self._auditing = True
@@ -155,7 +157,7 @@ class Meter:
             self.audited_steps.append(
                 {"mode": mode, "step": step, "ops": matmuls.records(), "traffic": matmuls.traffic()}
             )
-            manifest.show(self.audited_steps[-1])
+            show_manifest(self.audited_steps[-1])
 
     def saving(self) -> contextlib.AbstractContextManager:
         """Around a forward: in an audited step, counts the activations it saves for backward."""
