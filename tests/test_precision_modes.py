@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from runner.config import GradScalerConfig, PrecisionConfig, StageConfig
 from runner.errors import UserError
-from runner.measure import flops
+from runner.measure import flops, peaks
 from runner.measure.flops import cpu_matmul_tflops, utilisation
 from runner.precision import DeviceCaps, Precision
 from runner.precision.modes import MODES, Mode, register
@@ -86,7 +86,7 @@ def test_a_staged_run_resumes_in_its_stage_with_its_scaler(tmp_path):
         ("[{mode:fp32,until_step:5},{mode:fp16,until_step:5},{mode:bf16}]", "after the previous"),
         (
             "[{mode:fp16_master,until_step:5},{mode:bf16}]",
-            "allowed: fp32, tf32, fp16, bf16, fp8, mxfp8, auto",
+            "allowed: fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4, mxfp4, auto",
         ),
         ("[{mode:fp32},{mode:bf16}]", "precision.stages.0.until_step=None is invalid"),
     ],
@@ -254,7 +254,7 @@ def test_a_registered_mode_is_honoured_by_its_attributes_not_its_name(
     u = utilisation({"flops_per_step": 1e9, "step_time_s": 0.1}, cpu, fp4, tmp_path)
     assert u["mfu"] is None and "no fp4 matmul ceiling" in u["peak_note"]
     monkeypatch.setitem(
-        flops.GPU_PEAK_TFLOPS, "B200", flops.GPU_PEAK_TFLOPS["B200"] | {"fp4": 9000}
+        peaks.GPU_PEAK_TFLOPS, "B200", peaks.GPU_PEAK_TFLOPS["B200"] | {"fp4": 9000}
     )
     b200 = DeviceCaps("cuda", "NVIDIA B200", (10, 0))
     u = utilisation({"flops_per_step": 2250e12, "step_time_s": 1.0}, b200, fp4, tmp_path)

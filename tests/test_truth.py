@@ -105,7 +105,7 @@ def test_a_net_that_casts_itself_to_bf16_is_named_in_a_warning(tmp_path, capsys)
     ]
     out = capsys.readouterr()
     assert "warning: precision truth: weights are bf16" in out.err
-    assert "rows, 3 mismatches (see run start)" in out.out  # the final summary table
+    assert "precision truth  3 mismatches" in out.out  # the final summary
 
 
 @pytest.mark.parametrize(
