@@ -268,7 +268,7 @@ def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary:
     found |= {"precision_manifest": held, "plan_held": held["plan_held"]}
     manifest.report(held, log)
     if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
-        from runner.project import projection_for_run, show
+        from runner.answers.projection import projection_for_run, show
 
         found["projection"] = projection_for_run(cfg, summary | found, trainer.meter)
         show(found["projection"])

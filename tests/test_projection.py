@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from runner.measure import batch_fit, gpus
 from runner.measure import projection as P
 from runner.measure.flops import PrecisionAudit
 from runner.measure.matmuls import MatmulLog
@@ -39,7 +40,7 @@ def test_a_pure_matmul_projects_as_the_hand_calculation(mkn, bound):
     b = torch.empty(k, n, device="meta", dtype=torch.bfloat16)
     model = MatMul()
     stage = _audit(model, lambda: model(a, b), "bf16")
-    gpu = P.spec("H100")
+    gpu = gpus.spec("H100")
     # by hand: H100 SXM bf16 989.5 TFLOP/s × 0.78; 3.35 TB/s × 0.92; bf16 operands and output
     compute = 2 * m * k * n / (989.5e12 * 0.78)
     memory = (m * k + k * n + m * n) * 2 / (3.35e12 * 0.92)
@@ -76,7 +77,7 @@ README_SHAPES = [
 def test_fp8_over_bf16_agrees_with_torchaos_roofline(recipe):
     from torchao.testing.training.roofline_utils import get_float8_mem_sympy, get_gemm_time_sympy
 
-    gpu = P.torchao_spec("NVIDIA H100")
+    gpu = gpus.torchao_spec("NVIDIA H100")
     for m, k, n in README_SHAPES:
         bf16 = P.project_stage(_linear_step(m, k, n, "bf16"), gpu)["step_time_s"]
         fp8 = P.project_stage(_linear_step(m, k, n, "fp8", recipe), gpu)["step_time_s"]
@@ -88,7 +89,7 @@ def test_fp8_over_bf16_agrees_with_torchaos_roofline(recipe):
         assert bf16 / fp8 == pytest.approx(theirs_bf16 / theirs_fp8, rel=0.10), (m, k, n)
 
 
-def _mlp_speedup(width: int, gpu: P.GpuSpec, tokens: int = 2048, depth: int = 2) -> float:
+def _mlp_speedup(width: int, gpu: gpus.GpuSpec, tokens: int = 2048, depth: int = 2) -> float:
     from torchao.float8 import convert_to_float8_training
 
     times = {}
@@ -104,7 +105,7 @@ def _mlp_speedup(width: int, gpu: P.GpuSpec, tokens: int = 2048, depth: int = 2)
 
 
 def test_fp8_slows_a_tiny_model_speeds_a_wide_one_and_the_crossover_moves_with_the_gpu():
-    h100, b200 = P.spec("H100"), P.spec("B200")
+    h100, b200 = gpus.spec("H100"), gpus.spec("B200")
     assert _mlp_speedup(128, h100) < 1.0  # the casts' kernels outweigh GEMMs this small
     assert _mlp_speedup(8192, h100) > 1.2
     widths = list(range(512, 8193, 256))
@@ -116,14 +117,14 @@ def test_fp8_slows_a_tiny_model_speeds_a_wide_one_and_the_crossover_moves_with_t
 
 def test_a_gpu_without_fp8_units_says_so():
     stage = _linear_step(256, 256, 256, "fp8")
-    projected = P.project_stage(stage, P.spec("A100"))
+    projected = P.project_stage(stage, gpus.spec("A100"))
     assert projected["step_time_s"] is None and "no fp8 units" in projected["why"]
 
 
 def test_max_batch_solves_the_fit_for_the_gpus_memory():
-    gpu = P.spec("H100")  # 80 GB less 10%
-    assert P.fitted_max_batch([1024.0, 100.0], gpu) == int((80 * 1024 * 0.9 - 1024) // 100)
-    coefficients, source = P.memory_coefficients(
+    gpu = gpus.spec("H100")  # 80 GB less 10%
+    assert batch_fit.fitted_max_batch([1024.0, 100.0], gpu) == int((80 * 1024 * 0.9 - 1024) // 100)
+    coefficients, source = batch_fit.memory_coefficients(
         {"memory": {"total": 300.0, "activations": {"mb": 200.0}}}, 16
     )
     assert coefficients == [100.0, 12.5] and "accounted" in source

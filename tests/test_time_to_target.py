@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from runner.compare import compare, dashboard, target
+from runner.compare import compare, crossing, dashboard, target
 from runner.compare.jobs import load_sweep
 from runner.compare.stats import t_quantile
 from runner.compare.sweep import analyse, group
@@ -297,7 +297,7 @@ def test_the_target_comes_from_the_config_or_the_command_line(tmp_path):
     with pytest.raises(UserError, match="compare.target_direction"):
         validate(make_cfg(*TINY_MLP, "compare.target_direction=up"))
     check = make_cfg("experiment=amp_check")  # evaluates often enough to time a target
-    assert check.trainer.max_steps / check.trainer.val_check_interval >= 2 * target.MIN_EVALS
+    assert check.trainer.max_steps / check.trainer.val_check_interval >= 2 * crossing.MIN_EVALS
 
 
 def test_the_dashboard_draws_eval_loss_against_time_and_tokens_and_the_time_to_target(tmp_path):

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import console
 from runner.config.schema import GPU_MEMORY_GB, MEMORY_MARGIN
 from runner.errors import UserError, first_line
+from runner.measure.batch_fit import _solve
 from runner.measure.memory import MB
 from runner.train.session import prepared, trainer_timer, workspace
 
@@ -96,25 +97,6 @@ def _fit(points: dict[int, float], degree: int) -> np.ndarray:
     if degree == 2 and coefficients[2] * max(points) ** 2 <= 1e-6 * max(points.values()):
         return _fit(points, 1)
     return coefficients
-
-
-def _solve(coefficients: np.ndarray, budget_mb: float) -> int | None:
-    """The largest size ≥ 0 whose fitted memory is within the budget; None where the fit does
-    not grow with the size (nothing to extrapolate)."""
-    poly = np.polynomial.Polynomial(coefficients)
-    if coefficients[1:].max() <= 0:
-        return None
-    a, b, c = (*coefficients, 0.0)[:3]
-    if c > 0:
-        n = (-b + math.sqrt(max(b * b - 4 * c * (a - budget_mb), 0.0))) / (2 * c)
-    else:
-        n = (budget_mb - a) / b
-    n = max(0, math.floor(n))
-    while poly(n + 1) <= budget_mb:  # the closed form's rounding, either way
-        n += 1
-    while n > 0 and poly(n) > budget_mb:
-        n -= 1
-    return n
 
 
 def _describe(coefficients: np.ndarray, unit: str) -> str:

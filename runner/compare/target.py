@@ -31,19 +31,15 @@ x/r× as fast to the target; each the geometric mean over seeds with its 95% int
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.compare.stats import as_float, finite, mean_ci, ratio_ci
+from runner.compare.crossing import TargetSpec, _job_time, choose, clock, evaluations, reach, smooth
+from runner.compare.stats import as_float, mean_ci, ratio_ci
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
-    from runner.compare.jobs import Job
 
-SMOOTHING = 3  # evaluations in the centred window of the smoothed eval curve
-MIN_EVALS = 4  # evaluations before the target, at least, to time when it is reached
 DENSITY = 8  # the evaluations before the target that the suggested val_check_interval gives
-LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "err", "wer", "cer", "mse", "mae")
 # The keys a row's figures gain here (NaN or None where not measured: every row has them all).
 FIGURES = (
     "steps_to_target",
@@ -55,140 +51,6 @@ FIGURES = (
     "steps_to_target_ratio",
     "target_closest",
 )
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """What the comparison times: `value` None for the baseline's own final value."""
-
-    value: float | None = None
-    metric: str = "eval_loss"
-    direction: str | None = None  # lower | higher; None: from the metric's name
-
-    @property
-    def lower(self) -> bool:
-        if self.direction is not None:
-            return self.direction == "lower"
-        name = self.metric.lower()
-        return any(word in name for word in LOWER_IS_BETTER)
-
-    def words(self) -> str:
-        return f"{self.metric.replace('_', ' ')} {'≤' if self.lower else '≥'}"
-
-
-def smooth(values: list[float], window: int = SMOOTHING) -> list[float]:
-    """Each value's centred mean over `window` values, the window narrowed symmetrically near
-    the ends (the first and last values are their own)."""
-    k, n = window // 2, len(values)
-    out = []
-    for i in range(n):
-        h = min(k, i, n - 1 - i)
-        chunk = values[i - h : i + h + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
-
-
-def evaluations(job: Job, metric: str) -> tuple[list[int], list[float]]:
-    """The steps and values of the job's evaluations of `metric` (metrics.jsonl)."""
-    points = [(r["step"], as_float(r.get(metric))) for r in job.rows if metric in r]
-    points = [(s, v) for s, v in points if math.isfinite(v)]
-    return [s for s, _ in points], [v for _, v in points]
-
-
-def clock(rows: list[dict]) -> dict[int, tuple[float, float, float]]:
-    """Each step's cumulative (seconds, samples, tokens) over the steps up to it: the run's own
-    clock (its steps' times; evaluation and checkpoints are not in them). NaN where a row lacks
-    its timing; tokens NaN where the data has none."""
-    seconds = samples = tokens = 0.0
-    out = {}
-    for r in sorted(rows, key=lambda r: r["step"]):
-        dt = as_float(r.get("step_time_s"))
-        seconds += dt
-        samples += as_float(r.get("samples_per_s")) * dt
-        tokens += as_float(r.get("tokens_per_s")) * dt
-        out[r["step"]] = (seconds, samples, tokens if tokens > 0 else math.nan)
-    return out
-
-
-def _at(table: dict[int, tuple], step: float) -> tuple[float, ...]:
-    """The clock at a (fractional) step, linear between the logged steps around it."""
-    below = max((s for s in table if s <= step), default=None)
-    above = min((s for s in table if s >= step), default=None)
-    if below is None or above is None:
-        return (math.nan,) * 3
-    if below == above:
-        return table[below]
-    w = (step - below) / (above - below)
-    return tuple(a + w * (b - a) for a, b in zip(table[below], table[above], strict=True))
-
-
-def reach(job: Job, spec: TargetSpec, target: float) -> dict:
-    """Where the job's smoothed eval curve first reaches `target`: status ("reached", "too
-    sparse", "not reached", "no curve"), the step (interpolated), samples, tokens and wall
-    time there, the evaluations before it, and the closest the curve came."""
-    steps, values = evaluations(job, spec.metric)
-    out = dict.fromkeys(("step", "samples", "tokens", "wall_s", "closest"), math.nan)
-    out |= {"evals": len(steps), "evals_before": None}
-    if not steps:
-        return out | {"status": "no curve"}
-    curve = smooth(values)
-    sign = 1 if spec.lower else -1
-    out["closest"] = min(curve, key=lambda v: sign * v)
-    hit = next((i for i, v in enumerate(curve) if sign * (v - target) <= 0), None)
-    if hit is None:
-        return out | {"status": "not reached"}
-    if hit == 0:  # at or before the first evaluation: when, no evaluation tells
-        step = float(steps[0])
-    else:
-        before, after = curve[hit - 1], curve[hit]
-        share = (before - target) / (before - after) if before != after else 1.0
-        step = steps[hit - 1] + share * (steps[hit] - steps[hit - 1])
-    seconds, samples, tokens = _at(clock(job.rows), step)
-    status = "reached" if hit >= MIN_EVALS else "too sparse"
-    return out | {
-        "status": status,
-        "step": step,
-        "samples": samples,
-        "tokens": tokens,
-        "wall_s": seconds,
-        "evals_before": hit,
-    }
-
-
-def final_value(job: Job, metric: str) -> float:
-    """The job's last evaluation of `metric` (its curve's, else its summary's)."""
-    _, values = evaluations(job, metric)
-    return values[-1] if values else as_float(job.summary.get(metric))
-
-
-def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[float, str]:
-    """The target for the rows compared with `base`, and where it comes from (in words)."""
-    if spec.value is not None:
-        return float(spec.value), f"compare.target={spec.value:g}"
-    if base is None:
-        return math.nan, "no baseline to take a target from"
-    finals = finite(final_value(j, spec.metric) for j in base.counted)
-    if not finals:
-        return math.nan, f"{base.label} has no {spec.metric} to take a target from"
-    mean = sum(finals) / len(finals)
-    loose = mean + (1 if spec.lower else -1) * tolerance * abs(mean)
-    seeds = f"the mean of {len(finals)} seeds" if len(finals) > 1 else "one seed"
-    return loose, (
-        f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds}) "
-        f"{'+' if spec.lower else '−'}{tolerance:.0%} tolerance"
-    )
-
-
-def _job_time(g: Group, job: Job, step: float, wall_s: float) -> tuple[float, str]:
-    """(time to target, its source) of one job: steps × the row's interleaved step time, else
-    × the job's own median step time, else the run's own clock at the crossing."""
-    f = g.figures
-    if f.get("speed_source") == "interleaved" and math.isfinite(as_float(f.get("step_time_s"))):
-        return step * f["step_time_s"], "interleaved"
-    own = as_float(job.summary.get("step_time_s"))
-    if math.isfinite(own):
-        return step * own, "jobs"
-    return wall_s, "clock"
 
 
 def _status(results: list[dict]) -> str:

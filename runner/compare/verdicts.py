@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 
 from runner.compare import capacity, projected, target
 from runner.compare.groups import Group, own_figures
-from runner.compare.stats import finite, median_ratio, welch
+from runner.compare.loss_gap import _gap, _loss_words, _name, _problem
+from runner.compare.stats import median_ratio
+from runner.compare.target_words import _target_problem, _target_untested, _to_target
 
-SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 # The least share of the baseline's step its FLOPs take at the device's matmul peak
 # (flops_per_step over step_time_s, over peak_tflops: its MFU) for a speed to tell anything about
@@ -48,11 +48,6 @@ MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 # matmuls and convolutions take under half the step even so, and the rest (kernel launches,
 # Python, elementwise ops, the optimizer, data) runs the same in every precision.
 MIN_MATMUL_SHARE = 0.05
-
-
-def _name(base: Group) -> str:
-    """How a verdict names its baseline: fp32, or the row it is compared with instead."""
-    return "fp32" if base.precision == "fp32" else base.label
 
 
 def _too_small(base: Group) -> tuple[bool | None, str | None]:
@@ -73,174 +68,12 @@ def _too_small(base: Group) -> tuple[bool | None, str | None]:
     )
 
 
-def _gap(g: Group, base: Group) -> dict:
-    """The loss comparison's figures: the metric compared (eval loss where every good seed of
-    both has one), gap_in_spreads and the Welch interval (NaN under 2 good seeds a side), and
-    for one seed the plain relative gap of that metric."""
-    both = g.counted + base.counted
-    metric = (
-        "eval_loss" if all(math.isfinite(j.figures["eval_loss"]) for j in both) else "final_loss"
-    )
-    ours, theirs = (finite(j.figures[metric] for j in x.counted) for x in (g, base))
-    out = {"gap_metric": metric, "gap_in_spreads": math.nan}
-    out |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
-    if min(len(ours), len(theirs)) >= 2:
-        n1, n2 = len(ours), len(theirs)
-        variance = (
-            (n1 - 1) * statistics.variance(ours) + (n2 - 1) * statistics.variance(theirs)
-        ) / (n1 + n2 - 2)
-        m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
-        spread = max(math.sqrt(variance), SPREAD_FLOOR * max(abs(m1), abs(m2)))
-        out["gap_in_spreads"] = (m1 - m2) / spread if spread else 0.0
-        out["loss_gap"], out["loss_gap_ci_low"], out["loss_gap_ci_high"] = welch(ours, theirs)
-    elif metric == "eval_loss" and ours and theirs and statistics.fmean(theirs):
-        m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
-        out["loss_gap"] = (m1 - m2) / abs(m2)  # one seed: its eval loss decides
-    else:
-        out["loss_gap"] = g.figures["final_loss_gap"]  # the smoothed training loss
-    return out
-
-
-def _ci(f: dict) -> str:
-    return f"95% CI {f['loss_gap_ci_low']:+.2%} to {f['loss_gap_ci_high']:+.2%}, {f['seeds']} seeds"
-
-
-def _problem(g: Group, tolerance: float) -> str:
-    """Why the group cannot be recommended ("" where nothing is wrong); sets its health."""
-    f, bad, base = g.figures, g.unstable, g.base
-    f["health"] = bad[0].figures["health"] if bad else "ok"
-    if bad:
-        if len(g.jobs) == 1:
-            return bad[0].verdict
-        first = bad[0].verdict.split(" — ")[0]
-        return (
-            f"unstable in {len(bad)} of {len(g.jobs)} seeds ({first}, seed "
-            f"{bad[0].config.get('seed', '?')}) — not recommended"
-        )
-    if f["plan_held"] is False:  # it did not run the precision its row names
-        mismatch = f["plan_mismatch"]
-        return "the precision plan did not hold" + (f": {mismatch}" if mismatch else "")
-    if base is None or g is base:
-        return ""
-    gap, metric, name = f["loss_gap"], f["gap_metric"].replace("_", " "), _name(base)
-    if not math.isfinite(gap):
-        return f"{metric} untested: no loss to compare with {name}'s — not recommended"
-    if math.isfinite(f["loss_gap_ci_low"]):  # 2+ seeds a side
-        if f["loss_gap_ci_low"] > 0 and gap > tolerance:
-            f["health"] = "worse"
-            return (
-                f"worse than {name} beyond seed noise: {metric} {gap:+.2%} ({_ci(f)}) — "
-                "not recommended"
-            )
-        if f["loss_gap_ci_low"] <= 0 and gap > tolerance:
-            return (
-                f"{metric} {gap:+.2%} vs {name}, inside seed noise ({_ci(f)}): untested — "
-                "more seeds would tell"
-            )
-        return ""
-    if gap > tolerance:
-        f["health"] = "worse"
-        return f"{metric} {gap:+.2%} vs {name} ({_untested(g)}) — not recommended"
-    return ""
-
-
-def _untested(g: Group) -> str:
-    few = "one seed" if len(g.jobs) == 1 else "under 2 good seeds here or in the baseline"
-    return f"{few}: untested against seed noise"
-
-
 def _inside_spread(g: Group, base: Group) -> bool | None:
     """Whether its speed and the baseline's differ by no more than their interquartile ranges
     added (None where a range is unmeasured: under two steady timing intervals)."""
     a, b = g.figures, base.figures
     spread = a["samples_per_s_iqr"] + b["samples_per_s_iqr"]
     return abs(a["samples_per_s"] - b["samples_per_s"]) <= spread if math.isfinite(spread) else None
-
-
-def _loss_words(g: Group, tolerance: float) -> str:
-    f, name = g.figures, _name(g.base)
-    gap, metric = f["loss_gap"], f["gap_metric"].replace("_", " ")
-    if not math.isfinite(f["loss_gap_ci_low"]):
-        return f"{metric} within {abs(gap):.2%} of {name} ({_untested(g)})"
-    if f["loss_gap_ci_high"] < 0:
-        return f"{metric} below {name}'s beyond seed noise ({gap:+.2%}, {_ci(f)})"
-    if f["loss_gap_ci_low"] > 0:
-        return (
-            f"{metric} {gap:+.2%} vs {name}, beyond seed noise but within the "
-            f"{tolerance:.0%} tolerance ({_ci(f)})"
-        )
-    return f"{metric} within seed noise of {name} ({gap:+.2%}, {_ci(f)})"
-
-
-def _target_problem(g: Group) -> str:
-    """Why a row that never reached the target cannot be recommended ("" where it did, or where
-    there is nothing to reach): however fast its steps, it never gets there."""
-    f = g.figures
-    if g.base is None or g is g.base or f["target_status"] != "not reached":
-        return ""
-    gap = (f["target_closest"] - f["target"]) / abs(f["target"] or 1.0)
-    metric = f["target_metric"].replace("_", " ")
-    seeds = f" ({f['target_seeds_reached']} of {len(g.counted)} seeds reached it)"
-    return (
-        f"target not reached: its best smoothed {metric} {f['target_closest']:.4g} stayed "
-        f"{abs(gap):.2%} short of {f['target']:.4g}"
-        + (seeds if len(g.counted) > 1 else "")
-        + " — not recommended"
-    )
-
-
-def _target_untested(g: Group) -> str | None:
-    """Why the time to target of a row fit for a recommendation cannot be told (None where it
-    can): no target or no eval curve, a baseline that never reached it, or evaluations too
-    sparse to time the crossing, with the trainer.val_check_interval that would."""
-    f, b, name = g.figures, g.base.figures, _name(g.base)
-    metric = f["target_metric"]
-    if f["target_status"] == "no target":
-        return f"time to target untested: {f['target_from']}"
-    if "no curve" in (f["target_status"], b["target_status"]):
-        return (
-            f"time to target untested: no {metric} evaluated during training "
-            "(trainer.val_check_interval)"
-        )
-    if b["target_status"] == "not reached":
-        return f"time to target untested: {name} never reached the target"
-    sparse = [x for x in (g.base, g) if x.figures["target_status"] == "too sparse"]
-    if sparse:
-        x = sparse[0]
-        n = x.figures["evals_before_target"]
-        return (
-            f"time to target untested: evaluations too sparse to time it ({n} before the target "
-            f"in {x.label}, seed {x.figures['target_sparse_seed']}; at least "
-            f"{target.MIN_EVALS} needed): set trainer.val_check_interval="
-            f"{target.interval_for(g)} or less"
-        )
-    if not math.isfinite(f["time_to_target_speedup"]):
-        return "time to target untested: no step time to take it by"
-    return None
-
-
-def _ci_of(f: dict, key: str) -> str:
-    low, high = f[f"{key}_ci_low"], f[f"{key}_ci_high"]
-    if not math.isfinite(low):
-        return "one seed" if f["seeds"] == 1 else "no interval"
-    return f"95% CI {low:.2f}× to {high:.2f}×, {f['target_seeds_reached']} seeds"
-
-
-def _to_target(g: Group, speed: str, source: str, per_step_only: bool) -> str:
-    """The verdict's head: the step speed and the time to target, both in words."""
-    f = g.figures
-    x, t, r = f["speedup"], f["time_to_target_speedup"], f["steps_to_target_ratio"]
-    if per_step_only:  # its own speed tells nothing: the steps it needs still do
-        return f"{speed}, {r:.2f}× the steps to the target ({_ci_of(f, 'steps_to_target_ratio')})"
-    if x >= 1 and t < 1:  # faster per step, slower to the target: both, in words
-        return (
-            f"{x:.2f}× the step speed, {t:.2f}× to the target: it needs {r:.2f}× the steps "
-            f"({source}; {_ci_of(f, 'time_to_target_speedup')})"
-        )
-    return (
-        f"{speed}, {t:.2f}× {'faster' if t >= 1 else 'the speed'} to the target ({r:.2f}× the "
-        f"steps; {_ci_of(f, 'time_to_target_speedup')})"
-    )
 
 
 def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
