@@ -32,7 +32,7 @@ cat "$OUT/gpt2/compare.md"
 # 3. the projection (issue 33) against the real thing: the bert_base and gpt2 configs again,
 #    eager (the projection models eager kernels, no fusion), each job projected on this GPU;
 #    projected against measured step time per precision, to correct the achievable fractions.
-MODEL=$($PY -c "import torch; from runner.measure.flops import device_model; print(device_model(torch.cuda.get_device_name()) or '')")
+MODEL=$($PY -c "import torch; from runner.measure.peaks import device_model; print(device_model(torch.cuda.get_device_name()) or '')")
 if [ -n "$MODEL" ]; then
   $PY -m runner -m precision=fp32,bf16,fp8 "${BERT_BASE[@]}" trainer.compile=false \
     "runner.project=[$MODEL]" "hydra.sweep.dir=$OUT/projected-bert" 2>&1 | tee "$OUT/projected-bert.txt"

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from runner.measure.flops import device_model
+from runner.measure.peaks import device_model
 
 
 def main(sweep: Path) -> int:

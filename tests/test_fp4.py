@@ -13,8 +13,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.errors import TrainingStopped, UserError
-from runner.precision import fp4
-from runner.precision.fp4 import FP4_MM, MXFP4, NVFP4, Fp4Linears, Recipe, _Fp4Linear, quantize
+from runner.precision import fp4_quant
+from runner.precision.fp4 import Fp4Linears, Recipe, _Fp4Linear
+from runner.precision.fp4_mm import FP4_MM
+from runner.precision.fp4_quant import MXFP4, NVFP4, quantize
 from runner.run import run
 from tests.helpers import make_cfg, read_metrics
 from tests.test_manifest import ops
@@ -175,7 +177,7 @@ class _Gemms(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._overloadpacket is FP4_MM:
-            a, b = fp4.dequantize(*args[:3]), fp4.dequantize(*args[3:6])
+            a, b = fp4_quant.dequantize(*args[:3]), fp4_quant.dequantize(*args[3:6])
             self.seen[args[6]] = (a, b)
         return func(*args, **(kwargs or {}))
 

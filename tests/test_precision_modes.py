@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from runner.config import GradScalerConfig, PrecisionConfig, StageConfig
 from runner.errors import UserError
-from runner.measure import flops, peaks
+from runner.measure import peaks
 from runner.measure.flops import cpu_matmul_tflops, utilisation
 from runner.precision import DeviceCaps, Precision
 from runner.precision.modes import MODES, Mode, register

@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from runner.measure import flops
-from runner.measure.flops import (
-    GPU_PEAK_TFLOPS,
-    device_model,
-    emulation_slowdown,
-    peak_tflops,
-    utilisation,
-)
+from runner.measure.flops import emulation_slowdown, peak_tflops, utilisation
+from runner.measure.peaks import GPU_PEAK_TFLOPS, device_model
 from runner.precision import DeviceCaps, mode_of
 from runner.run import run
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 from runner.errors import first_line
 from runner.measure import manifest
 from runner.precision import fp32_islands, layers
-from runner.precision.fp8 import _carry
+from runner.precision.conversion import carry
 from runner.task import DISTRIBUTION, Task
 from runner.train.evaluation import Evaluation, Predictions, Variant, evaluating, run
 
@@ -90,7 +90,7 @@ def trained_weights(task: Task, masters: Mapping[nn.Parameter, nn.Parameter]) ->
                 device="meta",
             )
             linear.weight, linear.bias = converted.weight, converted.bias
-            _carry(converted, linear)
+            carry(converted, linear)
             parent, _, child = name.rpartition(".")
             setattr(plain.get_submodule(parent), child, linear)
     return plain

@@ -24,6 +24,7 @@ from runner import console
 from runner.errors import UserError
 from runner.precision import layers
 from runner.precision.adapters import adapter_parameters
+from runner.precision.conversion import as_linear, carry, is_conv1d
 from runner.precision.layers import recomputing
 from runner.task import Task
 
@@ -44,67 +45,6 @@ def import_torchao(module: str, mode: str):
             f"precision={mode} needs torchao (pip install torchao, the release that fits your "
             "torch: 0.18.0 for torch 2.13)"
         ) from None
-
-
-# What a module that replaces another takes over from it (besides its weights): the forward and
-# backward hooks torch keeps on it (the runner's own forward layers are carried by `layers`)
-HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' `Conv1D` (GPT-2's projections): an nn.Linear with its weight stored (in, out)."""
-    weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and weight is not None and weight.ndim == 2
-
-
-def _as_linear(conv: nn.Module) -> nn.Linear:
-    """The `nn.Linear` a `Conv1D` computes, for torchao to convert: its weight transposed (a new
-    parameter, as trainable as the Conv1D's), its bias the Conv1D's own. It saves and loads its
-    weight in the Conv1D's layout, so that checkpoints hold the model's own layout."""
-    n_in, n_out = conv.weight.shape
-    linear = nn.Linear(n_in, n_out, bias=conv.bias is not None, device="meta")
-    weight = conv.weight.detach().t().contiguous()
-    linear.weight = nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
-    linear.bias = conv.bias
-    return linear
-
-
-def _carry(old: nn.Module, new: nn.Module) -> None:
-    """`new` replaces `old` in the model: it takes the old one's mode, hooks and forward layers
-    (an fp32 island's, bf16_true's casts); a Conv1D's replacement, its saved layout."""
-    new.train(old.training)
-    for attr in HOOKS:
-        getattr(new, attr).update(getattr(old, attr))
-    new._is_full_backward_hook = old._is_full_backward_hook
-    for name, layer in old.__dict__.get("_forward_layers", {}).items():
-        layers.add(new, name, layer)
-    if _is_conv1d(old):
-        new.register_state_dict_post_hook(_saved_as_conv1d)
-        new.register_load_state_dict_pre_hook(_loaded_as_linear)
-        new._saved_as_conv1d = True
-
-
-def _saved_as_conv1d(_module, state_dict: dict, prefix: str, _metadata) -> None:
-    state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
-
-
-def _loaded_as_linear(_module, state_dict: dict, prefix: str, *_) -> None:
-    if (key := prefix + "weight") in state_dict:
-        state_dict[key] = state_dict[key].t()
-
-
-def saved_transposed(model: nn.Module) -> set[nn.Parameter]:
-    """The weights the model saves transposed (those of the Linears that replaced a Conv1D): an
-    optimizer's state of them is saved and loaded transposed too (runner/train/checkpoint.py)."""
-    return {m.weight for m in model.modules() if m.__dict__.get("_saved_as_conv1d")}
 
 
 class Fp8Linears(abc.ABC):
@@ -137,7 +77,7 @@ class Fp8Linears(abc.ABC):
         return fp8_forward(x)
 
     def _skip_reason(self, name: str, linear: nn.Module, order: list[str]) -> str | None:
-        if _is_conv1d(linear):
+        if is_conv1d(linear):
             dims = tuple(linear.weight.shape)
         elif type(linear) is nn.Linear:
             dims = linear.in_features, linear.out_features
@@ -181,7 +121,7 @@ class Fp8Linears(abc.ABC):
         precision.fp8.convert_adapters=true. GPT-2's `Conv1D` layers (Linears with the weight
         stored transposed) are chosen by the same rules; a chosen one becomes a Linear first,
         saved in the Conv1D's layout still. A converted layer keeps the trainability, hooks and
-        forward layers of the module it replaced (`_carry`)."""
+        forward layers of the module it replaced (`carry`, runner/precision/conversion.py)."""
         adapters = set() if self.convert_adapters else adapter_parameters(model)
         # id → reason, by precedence: an island's, then keep_bf16's, then an adapter's
         excluded = {
@@ -194,7 +134,7 @@ class Fp8Linears(abc.ABC):
             **{id(m): "inside an fp32 island" for island in islands for m in island.modules()},
         }
         linears = [
-            (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)
+            (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)
         ]
         order = [n for n, _ in linears]
         chosen: dict[str, nn.Module] = {}
@@ -207,13 +147,13 @@ class Fp8Linears(abc.ABC):
         if not chosen:
             return
         for name, old in chosen.items():
-            if _is_conv1d(old):
+            if is_conv1d(old):
                 parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, _as_linear(old))
+                setattr(model.get_submodule(parent), child, as_linear(old))
         self._convert(model, set(chosen))
         for name, old in chosen.items():
             new = model.get_submodule(name)
-            _carry(old, new)
+            carry(old, new)
             layers.add(new, "fp8", self._switch)
 
     def _converted(self) -> dict[str, nn.Module]:

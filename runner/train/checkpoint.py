@@ -12,7 +12,7 @@ import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
-from runner.precision.fp8 import saved_transposed
+from runner.precision.conversion import saved_transposed
 from runner.train import distributed, frozen, sharded
 from runner.train.convert import convert_precision
 from runner.train.distributed import Dist

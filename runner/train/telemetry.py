@@ -236,42 +236,9 @@ class Meter:
         self.interval_start = time.perf_counter()
 
     def speed(self) -> dict:
-        """Median throughput, median and p90 step time, and the share of step time spent waiting
-        for data, over the steady window (this run's steps after the warm-up). The spread: the
-        interquartile ranges of throughput and step time over the window's steps, which are
-        timed by interval; None where the window has fewer than two intervals to compare."""
-        start = self.first_step + self.cfg.benchmark.warmup_steps
-        steady = [r for r in self.rows if r["step"] > start]
-        if not steady:
-            # The warm-up holds the eager audit and fp16's fp32 probe: its speed would mislead.
-            keys = ("samples_per_s", "samples_per_s_iqr", "tokens_per_s", "step_time_s")
-            keys += ("step_time_s_iqr", "step_time_p90_s", "data_wait_share")
-            return dict.fromkeys(keys) | {
-                "speed_intervals": 0,
-                "speed_note": f"no steady window: the run ended within its "
-                f"{self.cfg.benchmark.warmup_steps}-step warm-up (trainer.benchmark.warmup_steps), "
-                "so its speed is untested",
-            }
-        times = [r["step_time_s"] for r in steady]
-        intervals = sum(end > start for end in self._interval_ends)
-        throughput = [r["samples_per_s"] for r in steady]
-        wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
-        if wait_share > INPUT_BOUND_SHARE:
-            console.say(
-                f"[yellow]warning:[/] input-bound: {wait_share:.0%} of step time waits for data, "
-                "which no precision speeds up; raise dataset.num_workers or make loading cheaper"
-            )
-        return {
-            "samples_per_s": statistics.median(throughput),
-            "samples_per_s_iqr": _iqr(throughput) if intervals > 1 else None,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-            "step_time_s": statistics.median(times),
-            "step_time_s_iqr": _iqr(times) if intervals > 1 else None,
-            # Nearest rank: one of the measured times, never below the median.
-            "step_time_p90_s": sorted(times)[math.ceil(0.9 * len(times)) - 1],
-            "speed_intervals": intervals,
-            "data_wait_share": wait_share,
-        }
+        """The steady window's speed (`steady_speed`): this run's steps after the warm-up."""
+        warmup = self.cfg.benchmark.warmup_steps
+        return steady_speed(self.rows, self.first_step + warmup, warmup, self._interval_ends)
 
     def summary(self) -> dict:
         """The run's last values, its last and best evaluation, speed, memory and compile counts,
@@ -293,3 +260,40 @@ class Meter:
             "graph_breaks": breaks - self._compiled_before[1],
             **(self.audit or {}),
         }
+
+
+def steady_speed(rows: list[dict], start: int, warmup: int, interval_ends: list[int]) -> dict:
+    """Median throughput, median and p90 step time, and the share of step time spent waiting
+    for data, over the steady window (the rows after step `start`, the warm-up's end). The
+    spread: the interquartile ranges of throughput and step time over the window's steps, which
+    are timed by interval; None where the window has fewer than two intervals to compare."""
+    steady = [r for r in rows if r["step"] > start]
+    if not steady:
+        # The warm-up holds the eager audit and fp16's fp32 probe: its speed would mislead.
+        keys = ("samples_per_s", "samples_per_s_iqr", "tokens_per_s", "step_time_s")
+        keys += ("step_time_s_iqr", "step_time_p90_s", "data_wait_share")
+        return dict.fromkeys(keys) | {
+            "speed_intervals": 0,
+            "speed_note": f"no steady window: the run ended within its {warmup}-step warm-up "
+            "(trainer.benchmark.warmup_steps), so its speed is untested",
+        }
+    times = [r["step_time_s"] for r in steady]
+    intervals = sum(end > start for end in interval_ends)
+    throughput = [r["samples_per_s"] for r in steady]
+    wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
+    if wait_share > INPUT_BOUND_SHARE:
+        console.say(
+            f"[yellow]warning:[/] input-bound: {wait_share:.0%} of step time waits for data, "
+            "which no precision speeds up; raise dataset.num_workers or make loading cheaper"
+        )
+    return {
+        "samples_per_s": statistics.median(throughput),
+        "samples_per_s_iqr": _iqr(throughput) if intervals > 1 else None,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "step_time_s": statistics.median(times),
+        "step_time_s_iqr": _iqr(times) if intervals > 1 else None,
+        # Nearest rank: one of the measured times, never below the median.
+        "step_time_p90_s": sorted(times)[math.ceil(0.9 * len(times)) - 1],
+        "speed_intervals": intervals,
+        "data_wait_share": wait_share,
+    }

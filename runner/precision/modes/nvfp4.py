@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from runner.precision.caps import DeviceCaps
-from runner.precision.fp4 import FORMATS, Fp4Linears
+from runner.precision.fp4 import Fp4Linears
+from runner.precision.fp4_quant import FORMATS
 from runner.precision.modes.fp8 import Fp8
 
 # precision.fp8's keys, refused unless unset: fp4's chooser reads precision.fp4
