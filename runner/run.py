@@ -18,13 +18,16 @@ from runner.config.validation import validate
 from runner.errors import Preempted, UserError, first_line
 from runner.measure import manifest, truth
 from runner.measure.flops import emulation_slowdown, utilisation
-from runner.measure.health import fp16_health
+from runner.measure.health import fp4_health, fp16_health
+from runner.measure.manifest_table import report as report_manifest
 from runner.measure.memory import trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
-from runner.tracking import RunLog, finished_summary, open_tracker, require_unchanged
+from runner.precision.fp4 import Fp4Linears
+from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
+from runner.train.resume_check import require_unchanged
 from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
 
@@ -250,6 +253,8 @@ def _measurements(cfg: DictConfig, trainer: Trainer, precision: Precision, caps,
             "fp8_flops_per_step": fp8_flops,
             "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
         }
+        if isinstance(precision.fp8, Fp4Linears):  # the blocks every FP4 GEMM quantized
+            found["fp8"]["fp4_health"] = fp4_health(precision.fp8.recipe.counts, precision.fp8.fmt)
     return found
 
 
@@ -266,7 +271,7 @@ def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary:
     truth_rows = getattr(summary.get("precision_truth"), "parameters", None)
     held = manifest.build(trainer.meter.audited_steps, plan, truth_rows, evaluated)
     found |= {"precision_manifest": held, "plan_held": held["plan_held"]}
-    manifest.report(held, log)
+    report_manifest(held, log)
     if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
         from runner.answers.projection import projection_for_run, show
 

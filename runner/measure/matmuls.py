@@ -16,7 +16,8 @@ from runner.measure.memory import _parts
 from runner.measure.module_stack import ModuleStack, _tensors
 from runner.measure.truth import short
 from runner.precision import cpu_kernels
-from runner.precision.fp4 import FP4_MM, format_of_scale
+from runner.precision.fp4_mm import FP4_MM
+from runner.precision.fp4_quant import format_of_scale
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "forward", "input_grad", "weight_grad", "recompute"
 _aten = torch.ops.aten
