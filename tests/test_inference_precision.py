@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from runner.answers.inference import cast_copy, evaluate_precisions
+from runner.answers.inference import evaluate_precisions
+from runner.answers.inference_weights import cast_copy
 from runner.compare import compare
 from runner.errors import UserError
 from runner.precision import Precision, fp32_islands

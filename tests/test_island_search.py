@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from runner.answers.island_search import calibration, loss_fault, range_fault, search
+from runner.answers.island_criteria import calibration, loss_fault, range_fault
+from runner.answers.island_search import search
 from runner.compare import compare, interleave
 from runner.config.validation import validate
 from runner.errors import UserError

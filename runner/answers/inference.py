@@ -10,30 +10,24 @@ non-finite is the row "overflow"; one that fails, the row "error"."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
+from runner.answers.inference_weights import cast_copy, trained_weights
 from runner.errors import first_line
-from runner.measure import manifest
-from runner.precision import fp32_islands, layers
-from runner.precision.conversion import carry
+from runner.measure.matmuls import recording
 from runner.task import DISTRIBUTION, Task
 from runner.train.evaluation import Evaluation, Predictions, Variant, evaluating, run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE = "fp32"
-# A training mode's forward layers (runner/precision/layers.py): bf16_true's casts, fp8's switch
-MODE_LAYERS = ("cast", "fp8")
 CHUNK = 2**24  # logits compared at a time, in float64 (128 MiB): a large vocabulary's fit
 
 
@@ -48,86 +42,6 @@ def true_fp32() -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(matmul)
         torch.backends.cudnn.allow_tf32 = cudnn
-
-
-def trained_weights(task: Task, masters: Mapping[nn.Parameter, nn.Parameter]) -> Task:
-    """The trained weights as a plain fp32 model: the reference each precision is measured
-    against, and what the cast copies are made from. Its weights are the fp32 masters where
-    there are any (fp16_master's model holds their fp16 copies), the others widened to fp32;
-    its modules have none of the training mode's forward layers (MODE_LAYERS), and fp8's
-    converted Linears are plain `nn.Linear`s again (their hooks and other layers carried); the
-    fp32 islands stay. The task itself where it is that already; fp32 tensors are shared."""
-    tensors = list(chain(task.parameters(), task.buffers()))
-    moded = {
-        name: module
-        for name, module in task.named_modules()
-        if any(layers.has(module, layer) for layer in MODE_LAYERS)
-    }
-    low = any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors)
-    if not (masters or moded or low):
-        return task
-    memo: dict[int, object] = {}
-    for t in tensors:
-        source = masters.get(t, t)
-        if not source.is_floating_point() or source.dtype == torch.float32:
-            memo[id(t)] = source  # shared, and only read
-            continue
-        wide = source.detach().float()
-        memo[id(t)] = (
-            nn.Parameter(wide, requires_grad=False) if isinstance(t, nn.Parameter) else wide
-        )
-    for module in moded.values():  # their layers are not copied (fp8's switch holds the mode)
-        kept = {k: v for k, v in module._forward_layers.items() if k not in MODE_LAYERS}
-        memo[id(module._forward_layers)] = kept
-    plain = copy.deepcopy(task, memo)
-    for name, module in moded.items():
-        if layers.has(module, "fp8"):
-            converted = plain.get_submodule(name)
-            linear = nn.Linear(
-                converted.in_features,
-                converted.out_features,
-                bias=converted.bias is not None,
-                device="meta",
-            )
-            linear.weight, linear.bias = converted.weight, converted.bias
-            carry(converted, linear)
-            parent, _, child = name.rpartition(".")
-            setattr(plain.get_submodule(parent), child, linear)
-    return plain
-
-
-def _inputs_in_own_dtype(module: nn.Module, args: tuple, kwargs: dict):
-    dtype = next(module.parameters(recurse=False)).dtype
-    cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    return tree_map_only(torch.Tensor, cast, (args, kwargs))
-
-
-def cast_copy(task: Task, dtype: torch.dtype) -> Task:
-    """The task as deployed in `dtype`: a copy whose floating weights and buffers are cast as
-    `.to(dtype)` casts them (BatchNorm's running statistics too), but whose fp32 islands
-    (precision.fp32_modules) stay fp32; each module with weights takes its floating inputs in
-    their dtype, as a deployed model is fed (and as it takes an island's fp32 output). The
-    trained task is not touched, and the copy is built from cast tensors: no fp32 copy first."""
-    kept = {
-        id(t)
-        for module in task.modules()
-        if fp32_islands.is_island(module)
-        for t in chain(module.parameters(), module.buffers())
-    }
-    memo: dict[int, object] = {}
-    for t in chain(task.parameters(), task.buffers()):
-        if not t.is_floating_point() or id(t) in kept:
-            memo[id(t)] = t  # shared, and only read: integer buffers and the islands' weights
-            continue
-        cast = t.detach().to(dtype)
-        memo[id(t)] = (
-            nn.Parameter(cast, requires_grad=False) if isinstance(t, nn.Parameter) else cast
-        )
-    deployed = copy.deepcopy(task, memo)
-    for module in deployed.modules():
-        if next(module.parameters(recurse=False), None) is not None:
-            module.register_forward_pre_hook(_inputs_in_own_dtype, with_kwargs=True)
-    return deployed
 
 
 def _kl(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -192,7 +106,7 @@ class Deployed(Variant):
             # The same random draws (a GAN's noise) for every precision: batch by batch
             with (
                 torch.random.fork_rng([device] if device.type == "cuda" else []),
-                manifest.recording(self.task) if audited else contextlib.nullcontext() as seen,
+                recording(self.task) if audited else contextlib.nullcontext() as seen,
             ):
                 torch.manual_seed(index)
                 predictions = super().evaluate(index, batch)
