@@ -18,7 +18,7 @@ from runner.precision import Precision
 from runner.run import build, run
 from runner.train.convert import convert_precision
 from tests.helpers import load_last
-from tests.test_hf import causal_lm_on_text, hf, tiny_gpt2_and_text
+from tests.test_hf import short_causal_lm, tiny_gpt2_and_text
 
 pytest.importorskip("torchao")
 
@@ -39,17 +39,7 @@ def gpt2(tmp_path_factory):
 
 def _cfg(gpt2, mode: str, *overrides: str):
     folder, text = gpt2
-    return hf(
-        folder,
-        *causal_lm_on_text(text),
-        "dataset.seq_len=16",
-        "dataset.batch_size=4",
-        "trainer.max_steps=2",
-        "trainer.val_check_interval=0",
-        f"precision={mode}",
-        "precision.fp8.skip=[]",
-        *overrides,
-    )
+    return short_causal_lm(folder, text, f"precision={mode}", "precision.fp8.skip=[]", *overrides)
 
 
 def _prepared(cfg):

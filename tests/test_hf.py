@@ -70,6 +70,20 @@ def hf(folder, *overrides: str):
     return make_cfg("model=hf", f"model.name_or_path={folder}", *QUIET, *overrides)
 
 
+def short_causal_lm(folder, text: Path, *overrides: str):
+    """`model=hf` at `folder` as a causal LM on `text`: two steps of 4 sequences of 16 tokens,
+    no evaluation."""
+    return hf(
+        folder,
+        *causal_lm_on_text(text),
+        "dataset.seq_len=16",
+        "dataset.batch_size=4",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=0",
+        *overrides,
+    )
+
+
 def causal_lm_on_text(text: Path, *overrides: str) -> list[str]:
     """`model=hf` as a causal LM with its own loss, on the local text file `text`."""
     return [

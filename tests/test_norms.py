@@ -21,7 +21,7 @@ from runner.precision.norms import norm_layers
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run
 from tests.test_distributed import run_ranks
-from tests.test_hf import NEUTRAL, _tokenizer, causal_lm_on_text, hf
+from tests.test_hf import NEUTRAL, _tokenizer, short_causal_lm
 
 HERE = "tests.test_norms"
 CPU = torch.device("cpu")
@@ -112,15 +112,7 @@ def assert_norms_fp32(run_dir, mode: str, norm_class: str, norm_names: list[str]
 @pytest.mark.parametrize("mode", ["fp16_master", "bf16_true"])
 def test_a_llamas_rmsnorms_stay_fp32(tmp_path, llama, mode):
     folder, text = llama
-    cfg = hf(
-        folder,
-        *causal_lm_on_text(text),
-        "dataset.seq_len=16",
-        "dataset.batch_size=4",
-        "trainer.max_steps=2",
-        "trainer.val_check_interval=0",
-        f"precision={mode}",
-    )
+    cfg = short_causal_lm(folder, text, f"precision={mode}")
     assert run(cfg, tmp_path)["status"] == "completed"
     names = [
         "net.model.norm",
