@@ -180,3 +180,30 @@ def test_a_projection_in_the_comparison_is_an_estimate_and_recommends_no_row(tmp
     assert "projected H100 MFU (estimate)" in header
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert rows[1]["projected_speedup"] == pytest.approx(1.8)
+
+
+def test_the_dashboard_draws_the_projection_as_an_estimate(tmp_path):
+    """compare.png gains a column where the sweep projected onto a GPU: each row's projected
+    speedup and MFU, titled as estimates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from runner.compare import compare, projected
+    from tests.test_compare import fake_job
+
+    for i, (precision, step) in enumerate((("fp32", 0.018), ("bf16", 0.010))):
+        summary = {"projection": {"H100 SXM": {precision: {"step_time_s": step, "mfu": 0.3}}}}
+        fake_job(tmp_path / str(i), precision, speed=100.0, summary=summary)
+    groups = compare(tmp_path, wandb_log=False)
+    assert projected.shown(groups)
+    fig, ax = plt.subplots()
+    projected.panel(ax, groups, "projected_speedup")
+    assert (
+        ax.get_title()
+        == "projected H100 SXM speedup over its baseline's step (estimate, not measured)"
+    )
+    assert [t.get_text() for t in ax.texts] == ["1.00×", "1.80×"]
+    plt.close(fig)
+    assert (tmp_path / "compare.png").stat().st_size > 10_000

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runner.compare import capacity, target
+from runner.compare import capacity, projected, target
 from runner.compare.groups import scales_loss
 from runner.compare.stats import as_float, known, median
 
@@ -230,14 +230,17 @@ def time_to_target(ax, groups: list[Group], key: str = "time_to_target_s") -> No
 
 
 def plot(groups: list[Group], path: Path) -> None:
-    """compare.png: the dashboard, 2×4 panels (2×5 where the sweep measured the max batch)."""
+    """compare.png: the dashboard, 2×4 panels, a column more where the sweep measured the max
+    batch and one where it projected onto a GPU (runner.project)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sized = capacity.measured(groups)  # a third column: the largest batch and sequence
-    fig, axes = plt.subplots(2, 5 if sized else 4, figsize=(35 if sized else 28, 9))
+    sized = capacity.measured(groups)  # a column more: the largest batch and sequence
+    estimated = projected.shown(groups)  # and one for runner.project's estimates
+    columns = 4 + sized + estimated
+    fig, axes = plt.subplots(2, columns, figsize=(7 * columns, 9))
     _losses(axes[0][0], groups)
     _gaps(axes[0][1], groups)
     _speed(axes[1][0], groups)
@@ -249,6 +252,9 @@ def plot(groups: list[Group], path: Path) -> None:
     if sized:
         capacity.panel(axes[0][4], groups, "max_batch")
         capacity.panel(axes[1][4], groups, "max_seq_len")
+    if estimated:
+        projected.panel(axes[0][-1], groups, "projected_speedup")
+        projected.panel(axes[1][-1], groups, "projected_mfu")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -60,3 +60,30 @@ def fill(groups: list[Group]) -> None:
                 f"the audited step, never run there: a run on {name} should check its step time"
                 + (f" and its {ours['max_batch']}-sample batch)" if ours.get("max_batch") else ")")
             )
+
+
+def shown(groups: list[Group]) -> bool:
+    """Whether any row has a projection to draw."""
+    return any(math.isfinite(g.figures.get("projected_speedup", math.nan)) for g in groups)
+
+
+def panel(ax, groups: list[Group], key: str) -> None:
+    """A bar per row: its projected speedup over its baseline's step, or its projected MFU, on
+    the GPU the columns show, titled as the estimate it is."""
+    x = list(range(len(groups)))
+    values = [g.figures.get(key, math.nan) for g in groups]
+    bars = ax.bar(x, [v if math.isfinite(v) else 0 for v in values], color=[f"C{i}" for i in x])
+    for bar, value in zip(bars, values, strict=True):
+        label = (
+            "—"
+            if not math.isfinite(value)
+            else (f"{value:.2f}×" if key == "projected_speedup" else f"{value:.1%}")
+        )
+        top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+        ax.annotate(label, top, ha="center", va="bottom", fontsize="small")
+    name = next(
+        (g.figures.get("projected_gpu") for g in groups if g.figures.get("projected_gpu")), ""
+    )
+    what = "speedup over its baseline's step" if key == "projected_speedup" else "MFU"
+    ax.set_xticks(x, [g.label for g in groups], rotation=20, fontsize="small")
+    ax.set(title=f"projected {name} {what} (estimate, not measured)")
