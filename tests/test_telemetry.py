@@ -346,3 +346,51 @@ def test_the_slowdown_of_an_emulated_mode_is_measured_and_native_modes_have_none
     native = DeviceCaps("cpu", "a CPU with AMX", cpu_flags=frozenset({"amx_bf16"}))
     assert emulation_slowdown(native, mode_of("bf16"), tmp_path) is None
     assert emulation_slowdown(emulating, mode_of("fp32"), tmp_path) is None
+
+
+def test_the_steps_after_the_audit_pay_for_no_manifest_and_no_config_reads(tmp_path, monkeypatch):
+    """Trainer.fit's steady steps (fp16 with its scaler, on an HF BERT): after the audited first
+    step no module hook, dispatch mode, saved-tensor hook or manifest call is left, and the loop
+    reads no OmegaConf value (each read costs Python time a bare loop does not pay)."""
+    from omegaconf import DictConfig
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from runner.measure.matmuls import MatmulLog
+    from runner.measure.memory import SavedActivations
+    from runner.measure.module_stack import ModuleStack
+    from runner.train.trainer import Trainer
+
+    seen = {"config": 0, "manifest": 0, "hooks": 0, "dispatch": 0, "steady": 0}
+    steady = [False]  # between an audited step's end and the next flush
+
+    def counted(original, key):
+        def wrapper(*args, **kwargs):
+            seen[key] += steady[0]
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(DictConfig, "_get_impl", counted(DictConfig._get_impl, "config"))
+    for cls, name in ((MatmulLog, "observe"), (ModuleStack, "_before"), (SavedActivations, "counting")):
+        monkeypatch.setattr(cls, name, counted(getattr(cls, name), "manifest"))
+    train_step, flush = Trainer.train_step, Trainer._flush
+
+    def step(self, window):
+        steady[0] = self.step >= 1
+        if steady[0]:
+            seen["steady"] += 1
+            seen["hooks"] += sum(
+                len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.task.modules()
+            )
+            seen["dispatch"] += _get_current_dispatch_mode() is not None
+        return train_step(self, window)
+
+    def flushing(self, due, bar):
+        steady[0] = False  # logging and evaluation read the config: not a step's cost
+        return flush(self, due, bar)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    monkeypatch.setattr(Trainer, "_flush", flushing)
+    overrides = ["trainer.max_steps=4", "trainer.benchmark.warmup_steps=1", "precision=fp16"]
+    run(make_cfg(*TINY_BERT, *overrides, "trainer.val_check_interval=0"), tmp_path)
+    assert seen == {"config": 0, "manifest": 0, "hooks": 0, "dispatch": 0, "steady": 3}

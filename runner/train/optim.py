@@ -176,8 +176,9 @@ def build_scheduler(cfg, optimizer: torch.optim.Optimizer, max_steps: int):
     """Advanced only on optimizer steps that were applied (not on steps the scaler skipped).
     The keys are checked by `runner.config.validation.validate`."""
     s = cfg.scheduler
+    shape = (s.warmup_steps, s.decay, s.min_lr_ratio)  # plain values: the lambda runs every step
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, max_steps, s.warmup_steps, s.decay, s.min_lr_ratio)
+        optimizer, lambda step: lr_factor(step, max_steps, *shape)
     )
 
 

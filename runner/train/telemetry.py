@@ -109,6 +109,15 @@ class Meter:
 
     def start(self, step: int) -> None:
         self.first_step = step
+        cfg = self.cfg  # the schedule `due` reads every step, as plain values
+        every = cfg.val_check_interval if cfg.limit_val_batches else 0  # 0 batches: no evaluation
+        self._schedule = (
+            cfg.max_steps,
+            step + cfg.benchmark.warmup_steps,
+            cfg.log_every_n_steps,
+            every,
+            cfg.checkpoint_every_n_steps,
+        )
         self.started = self.interval_start = time.perf_counter()
         self._compiled_before = compile_counts()  # a multirun's earlier jobs compiled too
 
@@ -186,16 +195,13 @@ class Meter:
 
     def due(self, step: int) -> dict[str, bool]:
         """What the end of `step` calls for: the same on every rank."""
-        cfg = self.cfg
-        last = step == cfg.max_steps
+        max_steps, warmup_end, log_every, eval_every, checkpoint_every = self._schedule
+        last = step == max_steps
         # The warm-up ends on an interval boundary, so steady timings start clean.
-        warmup_end = step == self.first_step + cfg.benchmark.warmup_steps
-        every = cfg.val_check_interval if cfg.limit_val_batches else 0  # 0 batches: no evaluation
         return {
-            "log": step % cfg.log_every_n_steps == 0 or last or warmup_end,
-            "eval": every > 0 and (step % every == 0 or last),
-            "checkpoint": cfg.checkpoint_every_n_steps > 0
-            and step % cfg.checkpoint_every_n_steps == 0,
+            "log": step % log_every == 0 or last or step == warmup_end,
+            "eval": eval_every > 0 and (step % eval_every == 0 or last),
+            "checkpoint": checkpoint_every > 0 and step % checkpoint_every == 0,
             "last": last,
         }
 

@@ -27,6 +27,30 @@ from runner.train.telemetry import Meter, read_later
 from runner.train.window import forward_backward, window_health
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """The trainer config's values the loop reads every step, read once per fit: an OmegaConf
+    read costs microseconds of Python each, a bare loop pays none."""
+
+    max_steps: int
+    accumulate: int
+    clip_val: float | None
+    clip_algorithm: str
+    clip_per_group: bool
+    max_consecutive_nonfinite: int
+
+    @classmethod
+    def of(cls, cfg) -> LoopSettings:
+        return cls(
+            cfg.max_steps,
+            cfg.accumulate_grad_batches,
+            cfg.gradient_clip_val,
+            cfg.gradient_clip_algorithm,
+            cfg.gradient_clip_per_group,
+            cfg.max_consecutive_nonfinite,
+        )
+
+
 @dataclass
 class PendingStep:
     """An optimizer step whose skip flag is still on its way to the host."""
@@ -57,6 +81,7 @@ class Trainer:
         self.cfg, self.task, self.data, self.precision = cfg, task, data, precision
         self.optimizers, self.schedulers, self.log = optimizers, schedulers, log
         self.device, self.dist = device, dist or Dist()
+        self.loop = LoopSettings.of(cfg)  # read again at each fit (a timing extends max_steps)
         self.params = [p for p in task.parameters() if p.requires_grad]
         # forward and backward through `model` (DDP, FSDP); evaluation etc. through the task
         self.model = model or task
@@ -82,17 +107,17 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def fit(self) -> dict:
-        cfg = self.cfg
+        loop = self.loop = LoopSettings.of(self.cfg)
         loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.meter.start(self.step)
         self.task.train()
         with (
             self.precision.fast_kernels,  # precision.cpu_kernels=fast: for this fit only
-            ProgressBar(cfg.max_steps, cfg.progress_bar) as bar,
+            ProgressBar(loop.max_steps, self.cfg.progress_bar) as bar,
             self.preemption.installed(),
         ):
-            while self.step < cfg.max_steps:
-                window, data_wait = self.meter.fetch(loader, cfg.accumulate_grad_batches)
+            while self.step < loop.max_steps:
+                window, data_wait = self.meter.fetch(loader, loop.accumulate)
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
@@ -167,10 +192,10 @@ class Trainer:
         result = self.precision.step(
             list(self.optimizers.values()),
             self.params,
-            self.cfg.gradient_clip_val,
-            self.cfg.gradient_clip_algorithm,
+            self.loop.clip_val,
+            self.loop.clip_algorithm,
             loss=totals["loss"],
-            clip_per_group=self.cfg.gradient_clip_per_group,
+            clip_per_group=self.loop.clip_per_group,
         )
         self._zero_grad()
         self._unsettled = PendingStep(
@@ -214,7 +239,7 @@ class Trainer:
 
     @property
     def _stuck(self) -> bool:
-        return self.consecutive_skipped >= self.cfg.max_consecutive_nonfinite
+        return self.consecutive_skipped >= self.loop.max_consecutive_nonfinite
 
     def state_dict(self) -> dict:
         self.settle()
