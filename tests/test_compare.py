@@ -120,17 +120,21 @@ def fake_job(
     losses = [end + (20 - step) / 20 for step in range(1, 21)]
     if diverged:
         losses[-5:] = ["nan"] * 5  # as tracking.jsonable writes a non-finite loss
-    summary = {"step_time_s": 1 / speed} | (summary or {}) | {
-        "status": "completed",
-        "precision": precision,
-        "final_loss": losses[-1],
-        "eval_loss": "nan" if diverged else eval_loss,
-        "samples_per_s": speed,
-        "samples_per_s_iqr": iqr,
-        "steps": 20,
-        "skipped_steps": 0,
-        "peak_memory_mb": 100.0,
-    }
+    summary = (
+        {"step_time_s": 1 / speed}
+        | (summary or {})
+        | {
+            "status": "completed",
+            "precision": precision,
+            "final_loss": losses[-1],
+            "eval_loss": "nan" if diverged else eval_loss,
+            "samples_per_s": speed,
+            "samples_per_s_iqr": iqr,
+            "steps": 20,
+            "skipped_steps": 0,
+            "peak_memory_mb": 100.0,
+        }
+    )
     (folder / ".hydra").mkdir(parents=True)
     (folder / "summary.json").write_text(json.dumps(summary))
     rows = [

@@ -371,7 +371,11 @@ def test_the_steps_after_the_audit_pay_for_no_manifest_and_no_config_reads(tmp_p
         return wrapper
 
     monkeypatch.setattr(DictConfig, "_get_impl", counted(DictConfig._get_impl, "config"))
-    for cls, name in ((MatmulLog, "observe"), (ModuleStack, "_before"), (SavedActivations, "counting")):
+    for cls, name in (
+        (MatmulLog, "observe"),
+        (ModuleStack, "_before"),
+        (SavedActivations, "counting"),
+    ):
         monkeypatch.setattr(cls, name, counted(getattr(cls, name), "manifest"))
     train_step, flush = Trainer.train_step, Trainer._flush
 

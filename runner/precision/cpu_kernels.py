@@ -125,7 +125,9 @@ class FastKernels:
             torch.Tensor, lambda t: t.float() if t.dtype == dtype else t, (args, kwargs)
         )
         COMPUTED.dtype = next(
-            t.dtype for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+            t.dtype
+            for t in tree_flatten(args)[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
         )
         return op.redispatch(keyset.remove(_BACKEND_SELECT), *args, **kwargs)
 
