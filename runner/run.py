@@ -20,7 +20,7 @@ from runner.measure import manifest, truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp4_health, fp16_health
 from runner.measure.manifest_table import report as report_manifest
-from runner.measure.memory import trainer_memory
+from runner.measure.memory import reset_peak_memory, trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
 from runner.precision.fp4 import Fp4Linears
@@ -28,7 +28,6 @@ from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
 from runner.train.resume_check import require_unchanged
-from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
 
 

@@ -374,7 +374,16 @@ def test_each_job_reports_the_spread_of_its_speed_over_the_steady_window(monkeyp
     timed by its logging interval; no spread from a single interval."""
     now = [0.0]
     monkeypatch.setattr(telemetry, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    cfg = OmegaConf.create({"benchmark": {"warmup_steps": 2}, "max_steps": 8})
+    cfg = OmegaConf.create(
+        {
+            "benchmark": {"warmup_steps": 2},
+            "max_steps": 8,
+            "log_every_n_steps": 2,
+            "limit_val_batches": 0,
+            "val_check_interval": 2,
+            "checkpoint_every_n_steps": 0,
+        }
+    )
     meter = telemetry.Meter(cfg, torch.device("cpu"), 1, [], num_tokens=lambda batch: 0)
     meter.start(0)
     zero = torch.tensor(0.0)

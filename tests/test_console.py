@@ -27,7 +27,11 @@ def test_only_torchao_loader_noise_is_held_back():
     Mine = enum.Enum("Mine", "A")  # a user's Enum: its warning is real
     Theirs = enum.Enum("Theirs", "A", module="torchao.float8.config")
     kept = Kept()
+    # an earlier test in this worker may have disabled them or raised their level
+    states = [(logger, logger.disabled, logger.level) for logger in (torchao, pytree)]
     for logger in (torchao, pytree):
+        logger.disabled = False
+        logger.setLevel(logging.WARNING)
         logger.addHandler(kept)
     try:
         torchao.warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
@@ -36,8 +40,9 @@ def test_only_torchao_loader_noise_is_held_back():
         torchao.warning("Skipping import of cpp extensions due to incompatible torch version")
         pytree.warning(enum_warning, Mine)
     finally:
-        for logger in (torchao, pytree):
+        for logger, disabled, level in states:
             logger.removeHandler(kept)
+            logger.disabled, logger.level = disabled, level
     assert [r.getMessage()[:30] for r in kept.records] == [
         "Failed to load my_checkpoint.p",
         "Skipping import of cpp extensi",

@@ -12,7 +12,7 @@ from torch import nn
 from runner.config import GradScalerConfig
 from runner.measure.health import LOW_ALARM, recommend
 from runner.run import run
-from runner.train.trainer import Trainer
+from runner.train import trainer
 from tests.helpers import TINY_BERT, load_last, make_cfg, read_metrics
 
 BATCH = 16
@@ -171,7 +171,7 @@ def test_fp16_health_measures_without_changing_the_run(tmp_path, monkeypatch):
     those of the same run with the measurement left out."""
     cfg = make_cfg(*TINY_BERT, "model.dropout=0.1", "trainer.max_steps=3", "precision=fp16")
     measured = run(cfg, tmp_path / "measured")
-    monkeypatch.setattr(Trainer, "_gradient_health", lambda self, window: None)
+    monkeypatch.setattr(trainer, "window_health", lambda *health: None)
     plain = run(cfg, tmp_path / "plain")
     assert measured["fp16_health"]["underflow_share_unscaled"] is not None
     assert plain["fp16_health"]["underflow_share_unscaled"] is None

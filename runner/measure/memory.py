@@ -1,11 +1,14 @@
 """Memory by category and dtype, counted exactly and per job (never the process's peak, which a
 sweep's later jobs inherit): the parameters that train, the frozen ones (a LoRA fine-tune's base,
 model.freeze), gradients, optimizer state, fp32 master copies, and the activations saved for
-backward in one step, which is what autocast saves."""
+backward in one step, which is what autocast saves. Beside them, the peaks the device or the
+process reports (peak_memory_mb), which is what a user's monitor shows."""
 
 from __future__ import annotations
 
 import contextlib
+import resource
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -16,6 +19,26 @@ if TYPE_CHECKING:
     from runner.train.trainer import Trainer
 
 MB = 2**20
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated by tensors. CPU: the process's peak resident set (it cannot be reset,
+    so in a multirun it is the peak so far)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MB
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / MB if sys.platform == "darwin" else rss / 2**10
+
+
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """CUDA: the caching allocator's peak reservation, what the run held of the GPU (allocated
+    plus cached blocks); None elsewhere."""
+    return torch.cuda.max_memory_reserved(device) / MB if device.type == "cuda" else None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

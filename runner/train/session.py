@@ -15,13 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import console
 from runner.build import build, seed_everything
-from runner.measure.memory import trainer_memory
+from runner.measure.memory import reset_peak_memory, trainer_memory
 from runner.precision import Precision
 from runner.precision.caps import resolve_device
 from runner.task import DataModule, Task
 from runner.tracking import RunLog
 from runner.train.optim import build_optimizers
-from runner.train.telemetry import reset_peak_memory
 from runner.train.trainer import Trainer
 
 Timer = Callable[[], dict]  # one timing: the trainer's summary of its timed steps

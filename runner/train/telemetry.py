@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -17,30 +15,9 @@ from runner import console
 from runner.measure.flops import PrecisionAudit
 from runner.measure.manifest_table import show as show_manifest
 from runner.measure.matmuls import MatmulLog
-from runner.measure.memory import SavedActivations
+from runner.measure.memory import SavedActivations, peak_memory_mb, peak_reserved_mb
 from runner.measure.module_stack import ModuleStack
 from runner.task import Batch
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA: peak allocated by tensors. CPU: the process's peak resident set (it cannot be reset,
-    so in a multirun it is the peak so far)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
-
-
-def peak_reserved_mb(device: torch.device) -> float | None:
-    """CUDA: the caching allocator's peak reservation, what the run held of the GPU (allocated
-    plus cached blocks); None elsewhere."""
-    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
-
 
 INPUT_BOUND_SHARE = 0.2  # above this share of step time spent waiting for data, warn
 

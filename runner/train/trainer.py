@@ -121,7 +121,8 @@ class Trainer:
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
                     self.meter.restage()
-                probe = functools.partial(self._gradient_health, window)
+                health = (self.task, window, self.precision, self.dist, self._to_device)
+                probe = functools.partial(window_health, *health)  # fp16's, when audited
                 audit = (probe, self.precision.counting, self.precision.mode, self.step + 1)
                 with self.meter.audited(*audit):
                     stepped = self.train_step(window)
@@ -208,9 +209,6 @@ class Trainer:
             read_later(signalled),
         )
         return totals, result
-
-    def _gradient_health(self, window: list[Batch]) -> dict | None:
-        return window_health(self.task, window, self.precision, self.dist, self._to_device)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
