@@ -185,13 +185,18 @@ def runner_vs_bare(args) -> None:
     )
     print(
         f"{'precision':<10} {'runner/s':>9} {'bare/s':>9} {'runner/bare':>12} "
-        f"{'graphs runner':>14} {'graphs bare':>12}"
+        f"{'quartiles':>14} {'graphs runner':>14} {'graphs bare':>12}"
     )
     for mode in modes:
         run, bare = median((mode, "runner")), median((mode, "bare"))
         ratio = median((mode, "runner"), (mode, "bare"))
+        # the per-round ratios' quartiles: the machine's noise, which one median can hide
+        rounds = [
+            r / b for r, b in zip(results[mode, "runner"], results[mode, "bare"], strict=True)
+        ]
+        q1, _, q3 = statistics.quantiles(rounds, n=4) if len(rounds) > 1 else (ratio,) * 3
         print(
-            f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f} "
+            f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f} {f'{q1:.3f}–{q3:.3f}':>14} "
             f"{graphs[mode, 'runner']:>14} {graphs[mode, 'bare']:>12}"
         )
     if set(MODES) <= set(modes):

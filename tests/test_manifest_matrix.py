@@ -2,11 +2,11 @@
 features × models, pairwise (every (mode, feature), (mode, model) and (feature, model) pair in at
 least one cell), generated here by a small greedy all-pairs search. Every cell runs a tiny model
 for two steps and holds the manifest's invariants (the plan held, no mismatch, every op in a
-known format, islands fp32 in every direction, fp8's converted Linears in fp8 and its skipped
-ones not, frozen parameters unchanged and without optimizer state), plus one fact per feature
-read from outside the runner's own report (the checkpoint, metrics.jsonl, a forward hook, the
-exported adapters loaded by peft). A combination the runner refuses by design is a cell too: it
-asserts the refusal is one clear line."""
+known format, islands fp32 in every direction, the Linears fp8, mxfp8, nvfp4 and mxfp4 convert
+computing in their format and the skipped ones not, frozen parameters unchanged and without
+optimizer state), plus one fact per feature read from outside the runner's own report (the
+checkpoint, metrics.jsonl, a forward hook, the exported adapters loaded by peft). A combination
+the runner refuses by design is a cell too: it asserts the refusal is one clear line."""
 
 from __future__ import annotations
 
@@ -29,13 +29,15 @@ from torch import nn
 from runner.errors import UserError
 from runner.export import export
 from runner.precision import Precision
+from runner.precision.fp4 import Fp4Linear
 from runner.run import run
 from tests.helpers import load_last, make_cfg, read_metrics
 from tests.test_distributed import PATIENCE_S, WORLD, run_ranks
 from tests.test_hf import NEUTRAL, POSITIVE, _tokenizer
 
 HERE = "tests.test_manifest_matrix"
-MODES = ["fp32", "bf16", "fp16", "fp16_master", "bf16_true", "fp8", "mxfp8", "staged"]
+MODES = ["fp32", "bf16", "fp16", "fp16_master", "bf16_true", "fp8", "mxfp8", "nvfp4", "mxfp4"]
+MODES.append("staged")
 FEATURES = [
     "none",
     "freeze",
@@ -56,6 +58,8 @@ FEATURES = [
 MODELS = ["net", "gpt2", "llama", "bert"]  # the user's net first: the cheapest wins ties
 RANKS = ("ddp", "fsdp")
 FP8 = ("fp8", "mxfp8")
+FP4 = ("nvfp4", "mxfp4")
+CONVERTING = FP8 + FP4  # the modes that swap Linears: torchao's (fp8) or the runner's Fp4Linear
 STAGES = "precision.stages=[{mode:fp32,until_step:1},{mode:bf16}]"
 # resume_other: the mode a checkpoint of the cell's mode is resumed in (each weight layout and
 # dtype a mode holds is read by another: bf16_true's and fp16_master's casts, fp8's Linears)
@@ -67,11 +71,16 @@ PARTNER = {
     "bf16_true": "fp32",
     "fp8": "fp16_master",
     "mxfp8": "bf16_true",
+    "nvfp4": "fp16_master",
+    "mxfp4": "fp8",
     "staged": "fp16",
 }
 WEIGHTS = {"fp16_master": torch.float16, "bf16_true": torch.bfloat16}  # else fp32
-KNOWN_FORMATS = {"fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8"}
-OPERAND = re.compile(r"(fp32|fp64|bf16|fp16|fp8 e(4m3|5m2)( \w+)?|mxfp8 e(4m3|5m2) block \d+)$")
+KNOWN_FORMATS = {"fp32", "tf32", "bf16", "fp16", *CONVERTING}
+OPERAND = re.compile(
+    r"(fp32|fp64|bf16|fp16|fp8 e(4m3|5m2)( \w+)?|mxfp8 e(4m3|5m2) block \d+"
+    r"|(nv|mx)fp4 e2m1 (block \d+|tile \d+×\d+))$"
+)
 # Cells the generator must hold: the combinations issue 29 §4 found broken, and an fp16 island
 # search on the net with an overflowing layer (elsewhere a healthy model needs no island).
 REQUIRED = [
@@ -82,6 +91,8 @@ REQUIRED = [
     ("bf16_true", "eval_precisions", "llama"),
     ("fp8", "eval_precisions", "net"),
     ("fp16", "auto_islands", "net"),
+    ("nvfp4", "lora", "gpt2"),  # Conv1D → Fp4Linear under LoRA: the fp8 defect's class
+    ("mxfp4", "resume_other", "gpt2"),
 ]
 
 
@@ -150,9 +161,10 @@ class Loud(nn.Linear):
 
 
 class Net(nn.Module):
-    """A user's net: three blocks (FSDP's units) of a Linear (32-wide: mxfp8's multiple) and
-    its own norm, and a head. The first Linear and the head are fp8's first and last (skipped);
-    blocks.1.0 and blocks.2.0 convert. `loud`: blocks.1.0 overflows fp16."""
+    """A user's net: four blocks (FSDP's units) of a Linear (32-wide: mxfp8's and mxfp4's
+    multiple) and its own norm, and a head. The first Linear and the head are fp8's first and
+    last (skipped); blocks.1.0 to blocks.3.0 convert (fp4 keeps the last block in bf16, so an
+    island on blocks.1 still leaves blocks.2.0 to convert). `loud`: blocks.1.0 overflows fp16."""
 
     def __init__(self, width: int = 32, features: int = 8, outputs: int = 3, loud: bool = False):
         super().__init__()
@@ -162,7 +174,7 @@ class Net(nn.Module):
                     (Loud if loud and i == 1 else nn.Linear)(features if i == 0 else width, width),
                     OwnRMSNorm(width),
                 )
-                for i in range(3)
+                for i in range(4)
             )
         )
         self.head = nn.Linear(width, outputs)
@@ -298,7 +310,20 @@ def lora(model: str) -> list[str]:
     return [f"model.peft={{r:16,alpha:16,target_modules:{SPECS[model][1]}}}"]
 
 
-def feature_overrides(feature: str, model: str) -> list[str]:
+# keep_bf16, by mode: the override and the reason it gives the kept Linears. FP4's default already
+# keeps the last block (the paper's recipe), so its cells keep the first instead; outside the
+# converting modes fp8's key is accepted and changes nothing.
+KEEP_BF16 = {
+    "fp8": ("precision.fp8.keep_bf16.last=1", "keep_bf16.last=1"),
+    "fp4": ("precision.fp4.keep_bf16={first:1,last:0}", "keep_bf16.first=1"),
+}
+
+
+def keep_bf16(mode: str) -> tuple[str, str]:
+    return KEEP_BF16["fp4" if mode in FP4 else "fp8"]
+
+
+def feature_overrides(feature: str, model: str, mode: str) -> list[str]:
     freeze, _, island, _, _ = SPECS[model]
     return {
         "none": [],
@@ -313,7 +338,7 @@ def feature_overrides(feature: str, model: str) -> list[str]:
             *(["+model.net.loud=true"] if model == "net" else []),
         ],
         "fp32_head": ["precision.fp32_head=true"],
-        "keep_bf16": ["precision.fp8.keep_bf16.last=1"],
+        "keep_bf16": [keep_bf16(mode)[0]],
         "eval_precisions": ["runner.eval_precisions=[bf16]"],
         "checkpointing": ["model.gradient_checkpointing=true"],
         "compile": ["trainer.compile=true"],
@@ -327,7 +352,7 @@ def overrides(cell: tuple, folders, mode: str | None = None) -> list[str]:
     return [
         *model_overrides(model, folders, evaluate=feature == "eval_precisions"),
         *mode_overrides(mode or cell_mode),
-        *feature_overrides(feature, model),
+        *feature_overrides(feature, model, mode or cell_mode),
     ]
 
 
@@ -395,11 +420,11 @@ def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
         assert mine, f"the island {island} ran no recorded op"
         assert {(o["format"], tuple(o["inputs"])) for o in mine} == {("fp32", ("fp32",))}, mine
         assert {"forward", "weight_grad"} <= {o["direction"] for o in mine}, mine
-    if summary["precision"] in FP8:
-        fp8 = summary["fp8"]
+    if summary["precision"] in CONVERTING:
+        fp8 = summary["fp8"]  # fp8's block: fp4's Linears are chosen by the same rules
         assert fp8["converted"], fp8  # every model here has an aligned Linear to convert
-        low = {o["module"] for o in seen if o["format"] in FP8}
-        assert low, "a converted Linear, but no op ran in fp8"
+        low = {o["module"] for o in seen if o["format"] == summary["precision"]}
+        assert low, f"a converted Linear, but no op ran in {summary['precision']}"
         assert low <= set(fp8["converted"]), low - set(fp8["converted"])
         for skipped in fp8["skipped"]:
             assert skipped not in low, (
@@ -541,8 +566,8 @@ def check_plain(cell, folders, out, monkeypatch) -> None:
     assert load_last(out)["model"][big].dtype == weights_dtype(summary["precision"])
     if feature == "keep_bf16":  # outside fp8 and mxfp8 it has no Linear to keep: nothing converts
         assert "fp8" not in summary
-        assert not any(o["format"] in FP8 for o in ops(summary))
-        assert all(type(m).__module__.split(".")[0] != "torchao" for m in watch.task.modules())
+        assert not any(o["format"] in CONVERTING for o in ops(summary))
+        assert not any(converted_class(m) for m in watch.task.modules())
 
 
 def check_freeze(cell, folders, out, monkeypatch) -> None:
@@ -640,22 +665,30 @@ def check_auto_islands(cell, folders, out, monkeypatch) -> None:
         assert summary["skipped_steps"] == 0
 
 
+def converted_class(module: nn.Module) -> bool:
+    """Whether `module` is a converting mode's Linear: torchao's (fp8, mxfp8) or Fp4Linear."""
+    return type(module).__module__.split(".")[0] == "torchao" or isinstance(module, Fp4Linear)
+
+
 def check_keep_bf16(cell, folders, out, monkeypatch) -> None:
-    """precision.fp8.keep_bf16.last=1: the last block's Linears are skipped with that reason and
-    stay plain (the task's modules after preparation), the others convert."""
+    """keep_bf16 (KEEP_BF16): the kept block's Linears are skipped with that reason and stay the
+    model's own classes (the task's modules after preparation), the others convert."""
     mode = cell[0]
-    if mode not in FP8:
+    if mode not in CONVERTING:
         return check_plain(cell, folders, out, monkeypatch)
     watch = Watch(monkeypatch)
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)
-    kept = [n for n, why in summary["fp8"]["skipped"].items() if "keep_bf16.last=1" in why]
+    reason = keep_bf16(mode)[1]
+    kept = [n for n, why in summary["fp8"]["skipped"].items() if reason in why]
     assert kept, summary["fp8"]["skipped"]
     modules = dict(watch.task.named_modules())
     for name in kept:
-        assert "torchao" not in type(modules[name]).__module__, (name, type(modules[name]))
+        assert not converted_class(modules[name]), (name, type(modules[name]))
     for name in summary["fp8"]["converted"]:
-        assert "torchao" in type(modules[name]).__module__, (name, type(modules[name]))
+        assert converted_class(modules[name]), (name, type(modules[name]))
+    low = {o["module"] for o in ops(summary) if o["format"] == mode}
+    assert low and not low & set(kept), low & set(kept)
     return None
 
 
