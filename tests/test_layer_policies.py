@@ -79,8 +79,20 @@ def test_keep_bf16_of_more_blocks_than_the_model_has_is_one_line():
         UserError, match=r"keep_bf16: first=3 and last=2 blocks, but the model has 4"
     ):
         _prepared(*GPT, "precision=fp8", *keep)
-    with pytest.raises(UserError, match="but the model has 0"):  # model=mlp: no blocks
-        _prepared(*TINY_MLP, "precision=fp8", "precision.fp8.keep_bf16.last=1")
+
+
+def test_a_model_without_blocks_keeps_none_and_says_so(capsys):
+    """model=mlp has no nn.ModuleList or nn.Sequential of blocks: keep_bf16 (nvfp4's default
+    keeps the last block) keeps nothing, a note says so, and the Linears convert by the other
+    rules; the run goes on rather than failing a sweep's fp4 jobs."""
+    pytest.importorskip("torchao")
+    _, task, precision = _prepared(*TINY_MLP, "precision=nvfp4", "precision.fp4.skip=[]")
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps at its width
+    assert "note: precision.fp4.keep_bf16 keeps no block: the model has none" in said
+    # only the output layer stays, for its 8 classes: no Linear is kept for being in a block
+    assert precision.fp8.skipped == {"net.6": "dimensions 64×8 are not multiples of 16"}
+    classes = [type(m).__name__ for m in task.modules() if isinstance(m, torch.nn.Linear)]
+    assert classes.count("Fp4Linear") == len(classes) - 1 > 0
 
 
 def test_validate_refuses_a_negative_keep_bf16():

@@ -140,16 +140,17 @@ def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
 
 
 def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
-    """staged, fp16_master, and the frontier's fp8, mxfp8 and bf16_true in one sweep with fp32 and
-    bf16."""
+    """staged, fp16_master, and the frontier's fp8, mxfp8, nvfp4, mxfp4 and bf16_true in one sweep
+    with fp32 and bf16. The rows that converted Linears say which share of the step's FLOPs ran in
+    their format (the dispatcher's count of fp8 and fp4 GEMMs), the others leave it empty."""
     sweep = tmp_path / "sweep"
-    modes = ["fp32", "bf16", "staged", "fp16_master", "fp8", "mxfp8", "bf16_true"]
+    converting = ["fp8", "mxfp8", "nvfp4", "mxfp4"]
+    modes = ["fp32", "bf16", "staged", "fp16_master", *converting, "bf16_true"]
     result = cli(
         "-m",
         f"precision={','.join(modes)}",
         *TINY_MLP,
         "trainer.max_steps=12",
-        "precision.fp8.min_features=16",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
@@ -157,7 +158,11 @@ def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
     jobs = json.loads((sweep / "compare.json").read_text())
     assert sorted(j["precision"] for j in jobs) == sorted(modes)
     assert all(j["status"] == "completed" for j in jobs)
-    assert "fp16_master" in (sweep / "compare.md").read_text()
+    share = {j["precision"]: j["converted_flop_share"] for j in jobs}
+    assert all(0 < share[m] < 1 for m in converting), share  # the head and the rest: not fp8/fp4
+    assert all(share[m] is None for m in modes if m not in converting), share
+    md = (sweep / "compare.md").read_text()
+    assert "fp16_master" in md and "| fp8/fp4 FLOPs |" in md
 
 
 def test_resuming_fp16_master_needs_the_master_weights():

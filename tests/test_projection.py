@@ -155,7 +155,7 @@ def test_a_run_with_runner_project_writes_the_projection(tmp_path):
     assert projected["B200"]["bf16"]["step_time_s"] <= projected["H100 SXM"]["bf16"]["step_time_s"]
 
 
-def test_a_projection_in_the_comparison_is_an_estimate_and_recommends_no_row(tmp_path):
+def test_a_projection_in_the_comparison_is_an_estimate_and_recommends_no_row(tmp_path, capsys):
     import json
 
     from runner.compare import compare
@@ -180,6 +180,13 @@ def test_a_projection_in_the_comparison_is_an_estimate_and_recommends_no_row(tmp
     assert "projected H100 MFU (estimate)" in header
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert rows[1]["projected_speedup"] == pytest.approx(1.8)
+    # printed: one projected column, its header saying estimate, in the 80 columns
+    printed = capsys.readouterr().out.splitlines()
+    table = printed[: printed.index(f"fp32: {fp32.verdict}")]
+    assert max(len(line.rstrip()) for line in table) <= 80
+    assert any("H100 est." in line for line in table), table
+    bf16_line = next(line for line in table if line.startswith("bf16 "))
+    assert "1.80×" in bf16_line and "projected" not in bf16_line  # the clause is below, whole
 
 
 def test_the_dashboard_draws_the_projection_as_an_estimate(tmp_path):

@@ -32,6 +32,14 @@ def columns(groups: list[Group]) -> list[tuple[str, str, str]]:
     ]
 
 
+def terminal_columns(groups: list[Group]) -> list[tuple[str, str, str]]:
+    """The printed table's one projected column, where a row has a projection: the speedup, its
+    header naming the GPU and saying "estimate" (compare.md has both columns in full)."""
+    if not shown(groups):
+        return []
+    return [(f"{gpu(groups).split()[0]} est.\nspeedup", "projected_speedup", "{:.2f}×")]
+
+
 def _row(g: Group, name: str) -> dict:
     projection = g.jobs[0].summary.get("projection") or {}
     return (projection.get(name) or {}).get(g.precision) or {}

@@ -41,6 +41,9 @@ COLUMNS = [
     ("plan held", "plan_held", "{}"),
     ("verdict", "verdict", "{}"),
 ]
+# where a row converted Linears (fp8, mxfp8, nvfp4, mxfp4): the share of the step's FLOPs in
+# that format, which "low-prec FLOPs" (bf16 and the rest together) does not tell apart
+CONVERTED = ("fp8/fp4 FLOPs", "converted_flop_share", "{:.0%}")
 
 
 def _cell(group: Group, key: str, fmt: str) -> str:
@@ -72,6 +75,9 @@ def table(groups: list[Group]) -> list[list[str]]:
         + projected.columns(groups)
     )  # runner.project's estimates, marked so
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
+    if any(known(g.figures.get("converted_flop_share")) for g in groups):
+        at = [key for _, key, _ in columns].index("low_precision_flop_share") + 1
+        columns.insert(at, CONVERTED)
     at = [name for name, _, _ in columns].index("samples/s IQR") + 1  # time to target after speed
     columns[at:at] = target.columns(groups)
     return [[name for name, _, _ in columns]] + [
@@ -178,11 +184,12 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
         pad_edge=False,
         header_style="bold underline",
     )
-    for name, _, _ in SHOWN:
+    columns = SHOWN + projected.terminal_columns(groups)  # runner.project's, marked an estimate
+    for name, _, _ in columns:
         shown.add_column(name, justify="left" if name == "precision" else "right", no_wrap=True)
     shown.add_column("verdict", ratio=1, overflow="fold")
     for g in groups:
-        shown.add_row(*(_short_cell(g, k, f) for _, k, f in SHOWN), in_short(g.verdict))
+        shown.add_row(*(_short_cell(g, k, f) for _, k, f in columns), in_short(g.verdict))
     out.print(shown)
     for g in groups:
         out.print(f"{g.label}: {g.verdict}", highlight=False, soft_wrap=True)

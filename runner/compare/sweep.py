@@ -101,6 +101,8 @@ def _job_figures(job: Job, base: Job | None) -> None:
         "final_loss_scale": as_float(s.get("final_loss_scale")),
         "mfu": as_float(s.get("mfu")),
         "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
+        # fp8, mxfp8, nvfp4, mxfp4: the share its converted Linears computed in the mode's format
+        "converted_flop_share": as_float((s.get("fp8") or {}).get("fp8_flop_share")),
         **capacity.job_figures(s),
         **finetune.job_figures(s),
     }

@@ -101,6 +101,12 @@ class Fp8Linears(abc.ABC):
         if not first and not last:
             return {}
         blocks = model.shard_units() if isinstance(model, Task) else []
+        if not blocks:  # nvfp4's default keeps the last block: a model without blocks runs on
+            console.say(
+                f"note: {self.keys}.keep_bf16 keeps no block: the model has none "
+                "(no nn.ModuleList or nn.Sequential of blocks)"
+            )
+            return {}
         if first + last > len(blocks):
             raise UserError(
                 f"{self.keys}.keep_bf16: first={first} and last={last} blocks, but the model has "
