@@ -56,6 +56,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import runner
+from runner import console
 from runner.compare.interleave import alternate, time_configs
 from runner.compare.stats import median_ratio
 from runner.config.validation import validate
@@ -491,6 +492,7 @@ def cpu_kernels(args) -> None:
 
 
 def main() -> None:
+    console.quiet_torchao()  # torchao's loader noise, which building the models triggers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part", choices=("both", "table", "ratio", "reduce", "kernels"), default="both"

@@ -123,14 +123,29 @@ def test_fast_kernels_hold_in_compiled_code(tmp_path):
         assert c["loss"] == pytest.approx(n["loss"], rel=1e-3)
 
 
-def test_auto_keeps_the_native_kernels_on_a_cpu_with_bf16_units(tmp_path, monkeypatch):
-    monkeypatch.setattr(caps, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "avx512_bf16"}))
-    cfg = make_cfg(*TINY_MLP, *SHORT, "precision=bf16", "trainer.max_steps=2")
+# The CPU kinds the project runs on, by the flags /proc/cpuinfo gives them, and the dtypes whose
+# matmuls each has units for (`auto` computes the others' in fp32).
+CPU_KINDS = {
+    "avx2": ({"avx2", "fma"}, set()),  # AMD EPYC before Zen 4: bf16 and fp16 emulated
+    "avx512_bf16": ({"avx2", "avx512f", "avx512_bf16"}, {"bf16"}),  # AMD EPYC Zen 5
+    "amx": ({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"}, {"bf16", "fp16"}),
+}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", list(CPU_KINDS))
+def test_auto_picks_the_kernels_each_cpu_kind_has_units_for(tmp_path, monkeypatch, kind, mode):
+    """precision.cpu_kernels=auto on each CPU kind (its flags patched in, whatever this machine
+    is): native where the CPU has units for the dtype, fast where it has not, as the profiler
+    sees the matmuls run."""
+    flags, native = CPU_KINDS[kind]
+    monkeypatch.setattr(caps, "_cpu_flags", lambda: frozenset(flags))
+    cfg = make_cfg(*TINY_MLP, *SHORT, f"precision={mode}", "trainer.max_steps=2")
     with profile(record_shapes=True) as prof:
         summary = run(cfg, tmp_path)
-    seen = converted(prof, "bf16")
-    assert seen and not any(seen)
-    assert summary["cpu_kernels"] == "native"
+    seen = converted(prof, mode)
+    assert seen and seen == [mode not in native] * len(seen)
+    assert summary["cpu_kernels"] == ("native" if mode in native else "fast")
 
 
 class FailsAtThirdStep(nn.Linear):
