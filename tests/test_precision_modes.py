@@ -162,7 +162,16 @@ def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
     assert all(0 < share[m] < 1 for m in converting), share  # the head and the rest: not fp8/fp4
     assert all(share[m] is None for m in modes if m not in converting), share
     md = (sweep / "compare.md").read_text()
-    assert "fp16_master" in md and "| fp8/fp4 FLOPs |" in md
+    assert "fp16_master" in md and "| fp8/fp4 FLOPs |" in md and "| gap to bf16 [95% CI] |" in md
+    # beside the gap to fp32, each low-precision row's gap to bf16, from the jobs' own eval losses
+    evals = {
+        s["precision"]: s["eval_loss"]
+        for s in (json.loads(p.read_text()) for p in sweep.glob("*/summary.json"))
+    }
+    gap = {j["precision"]: j["loss_gap_bf16"] for j in jobs}
+    for mode in converting:
+        assert gap[mode] == pytest.approx((evals[mode] - evals["bf16"]) / evals["bf16"])
+    assert gap["fp32"] is None and gap["bf16"] is None
 
 
 def test_resuming_fp16_master_needs_the_master_weights():

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from runner.compare.groups import Group
 
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
+LOSS_GAP = ("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high")  # against the row's baseline
+BF16_GAP = ("loss_gap_bf16", "loss_gap_bf16_ci_low", "loss_gap_bf16_ci_high")
 
 
 def _name(base: Group) -> str:
@@ -32,7 +34,7 @@ def _gap(g: Group, base: Group) -> dict:
     )
     ours, theirs = (finite(j.figures[metric] for j in x.counted) for x in (g, base))
     out = {"gap_metric": metric, "gap_in_spreads": math.nan}
-    out |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
+    out |= dict.fromkeys(LOSS_GAP, math.nan)
     if min(len(ours), len(theirs)) >= 2:
         n1, n2 = len(ours), len(theirs)
         variance = (
@@ -48,6 +50,25 @@ def _gap(g: Group, base: Group) -> dict:
     else:
         out["loss_gap"] = g.figures["final_loss_gap"]  # the smoothed training loss
     return out
+
+
+def gaps_to_bf16(groups: list[Group]) -> None:
+    """Where a setting has an fp32 baseline and a bf16 row, each of its other low-precision rows'
+    loss gap to bf16 too (fp8's and fp4's rival: whether they lose what bf16 keeps), as
+    `loss_gap_bf16` with its interval; NaN elsewhere. A figure beside the verdict, which stays
+    against fp32."""
+    for g in groups:
+        g.figures |= dict.fromkeys(BF16_GAP, math.nan)
+        if g.base is None or g.base.precision != "fp32" or g.precision in ("fp32", "bf16"):
+            continue
+        rivals = [p for p in groups if p.setting == g.setting and p.precision == "bf16"]
+        rivals = [p for p in rivals if p.counted]
+        if not g.counted or not rivals:
+            continue
+        gap = _gap(g, max(rivals, key=lambda p: len(set(p.identity) & set(g.identity))))
+        if gap["gap_metric"] == "final_loss" and not math.isfinite(gap["loss_gap_ci_low"]):
+            continue  # one seed without evaluations: _gap's fallback is the gap to fp32
+        g.figures |= dict(zip(BF16_GAP, (gap[k] for k in LOSS_GAP), strict=True))
 
 
 def _ci(f: dict) -> str:

@@ -75,6 +75,9 @@ def table(groups: list[Group]) -> list[list[str]]:
         + projected.columns(groups)
     )  # runner.project's estimates, marked so
     columns = COLUMNS[:-1] + extra + COLUMNS[-1:]
+    if any(known(g.figures.get("loss_gap_bf16")) for g in groups):  # fp32 and bf16 both swept
+        at = [key for _, key, _ in columns].index("loss_gap") + 1
+        columns.insert(at, ("gap to bf16 [95% CI]", "loss_gap_bf16", "{:+.1%}"))
     if any(known(g.figures.get("converted_flop_share")) for g in groups):
         at = [key for _, key, _ in columns].index("low_precision_flop_share") + 1
         columns.insert(at, CONVERTED)

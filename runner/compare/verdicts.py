@@ -37,7 +37,7 @@ import re
 
 from runner.compare import capacity, projected, target
 from runner.compare.groups import Group, own_figures
-from runner.compare.loss_gap import _gap, _loss_words, _name, _problem
+from runner.compare.loss_gap import LOSS_GAP, _gap, _loss_words, _name, _problem, gaps_to_bf16
 from runner.compare.stats import median_ratio
 from runner.compare.target_words import _target_problem, _target_untested, _to_target
 
@@ -190,9 +190,10 @@ def judge(
         else:  # the same keys in every row
             f |= dict.fromkeys(("speedup", "memory_saving", "gap_in_spreads"), math.nan)
             f["max_batch_vs_fp32"] = math.nan
-            f |= dict.fromkeys(("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high"), math.nan)
+            f |= dict.fromkeys(LOSS_GAP, math.nan)
             f["gap_metric"] = None
         g.verdict = _problem(g, tolerance) or _target_problem(g)
+    gaps_to_bf16(groups)  # a figure beside the verdicts, which stay against fp32
     target.pair(groups)  # against the baselines' step speedups, set just above
     for base in {g.base for g in groups if g.base is not None}:
         _recommend([g for g in groups if g.base is base and not g.verdict], base, tolerance)
