@@ -124,11 +124,7 @@ class FastKernels:
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t.float() if t.dtype == dtype else t, (args, kwargs)
         )
-        COMPUTED.dtype = next(
-            t.dtype
-            for t in tree_flatten(args)[0]
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-        )
+        COMPUTED.dtype = torch.float32  # `_dtype` let through only `dtype` (and fp32) operands
         return op.redispatch(keyset.remove(_BACKEND_SELECT), *args, **kwargs)
 
     def _functional(self, op) -> Callable:
