@@ -248,7 +248,10 @@ def _measurements(cfg: DictConfig, trainer: Trainer, precision: Precision, caps,
         console.say(f"[yellow]warning:[/] {found['peak_note']}")
     if precision.fp8:
         fp8_flops, flops = summary.pop("fp8_flops_per_step", None), summary.get("flops_per_step")
+        compute = next(mode_of(m).compute for _, m, _ in precision.stages if mode_of(m).fp8)
+        native = caps.type == "cuda" and caps.support(compute)[0]  # fp4: never (emulated)
         found["fp8"] = precision.fp8.report() | {
+            "kernels": "native" if native else "emulated",  # emulated: the numerics, not the speed
             "fp8_flops_per_step": fp8_flops,
             "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
         }

@@ -172,6 +172,10 @@ def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
     for mode in converting:
         assert gap[mode] == pytest.approx((evals[mode] - evals["bf16"]) / evals["bf16"])
     assert gap["fp32"] is None and gap["bf16"] is None
+    # no CPU has fp8 or fp4 units: those rows' speed is the emulation's, and their verdicts say so
+    verdicts = {j["precision"]: j["verdict"] for j in jobs}
+    for mode in converting:
+        assert "speed emulated: its " + mode + " matmuls were emulated" in verdicts[mode]
 
 
 def test_resuming_fp16_master_needs_the_master_weights():

@@ -96,6 +96,15 @@ def plan_held(g: Group) -> dict:
     }
 
 
+def _emulated_by(summary: dict) -> str | None:
+    """What makes a job's speed say nothing of its precision's: "fp8" where its converted Linears'
+    GEMMs were emulated (fp8 and mxfp8 without their units, nvfp4 and mxfp4 always), "cpu_kernels"
+    where precision.cpu_kernels=fast computed its low-precision matmuls in fp32; else None."""
+    if (summary.get("fp8") or {}).get("kernels") == "emulated":
+        return "fp8"
+    return "cpu_kernels" if summary.get("cpu_kernels") == "fast" else None
+
+
 def own_figures(g: Group, timing: dict | None) -> dict:
     """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
     jobs = g.counted
@@ -105,13 +114,8 @@ def own_figures(g: Group, timing: dict | None) -> dict:
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
     f["memory_source"] = memory_figure(jobs[0].summary)[1]
     f |= capacity.own(g, f["max_batch"])  # how its max batch was found
-    # precision.cpu_kernels=fast: its low-precision matmuls ran in fp32, so its speed is fp32's;
-    # nvfp4/mxfp4 Linears are always emulated (runner/precision/fp4.py)
-    f["speed_emulated"] = any(
-        j.summary.get("cpu_kernels") == "fast"
-        or (j.summary.get("fp8") or {}).get("kernels") == "emulated"
-        for j in g.jobs
-    )
+    f["speed_emulated_by"] = next(filter(None, (_emulated_by(j.summary) for j in g.jobs)), None)
+    f["speed_emulated"] = f["speed_emulated_by"] is not None
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
         f["samples_per_s_q1"], f["samples_per_s_q3"] = quartiles(timing["samples_per_s_rounds"])

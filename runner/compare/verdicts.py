@@ -133,10 +133,13 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
             else speed
         )
         if g in emulated:
-            tail = (
-                f"speed emulated: its {g.precision} matmuls ran in fp32 on this CPU "
-                "(precision.cpu_kernels), so it tells nothing of its own speed"
+            how = (
+                f"its {g.precision} matmuls were emulated (quantized and dequantized in PyTorch, "
+                "no kernels of that format here)"
+                if f["speed_emulated_by"] == "fp8"
+                else f"its {g.precision} matmuls ran in fp32 on this CPU (precision.cpu_kernels)"
             )
+            tail = f"speed emulated: {how}, so it tells nothing of its own speed"
         elif g in small:
             share = base.figures["mfu"]
             tail = f"too small to tell: {_name(base)}'s FLOPs are {share:.2%} of its step at peak"

@@ -237,7 +237,6 @@ class Fp4Linears(Fp8Linears):
         return super().report() | {
             "recipe": self.recipe_name,
             "format": self.fmt.name,
-            "kernels": "emulated",  # no FP4 kernel runs: quantize, dequantize, multiply in fp32
             "weight_2d": r.weight_2d,
             "rht": r.rht,
             "sr": r.sr,
