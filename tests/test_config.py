@@ -35,7 +35,7 @@ from tests.helpers import TINY_MLP, make_cfg
         (["trainer.gradient_clip_algorithm=l3"], "allowed: norm, value"),
         (["trainer.device=tpu"], "trainer.device='tpu' is invalid"),
         (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
-        (["trainer.max_steps=abc"], "could not be converted to Integer"),
+        (["trainer.max_steps=abc"], "trainer.max_steps=abc is invalid: must be an integer"),
         (["dataset=text_files"], "dataset.data_files is required"),
         (
             ["precision=fp16", "precision.grad_scaler.backoff_factor=2"],

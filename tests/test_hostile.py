@@ -100,6 +100,17 @@ def eight_features() -> TensorDataset:
         ),
         ([*MLP, "precision.mode=bf16", "model.activation=gélu"], "(quote a value with spaces or"),
         ([*MLP, f"precision.mode={'x' * 5000}"], "x… (4882 more characters) is invalid"),
+        # a value of the wrong type for its schema field, in the words of every other line
+        (
+            [*MLP, "trainer.compile=maybe"],
+            "trainer.compile=maybe is invalid: must be true or false",
+        ),
+        ([*MLP, "trainer.max_steps=abc"], "trainer.max_steps=abc is invalid: must be an integer"),
+        ([*MLP, "trainer.gradient_clip_val=x"], "gradient_clip_val=x is invalid: must be a number"),
+        (
+            [*MLP, "precision=nvfp4", "precision.fp4.sr=1.5"],
+            "precision.fp4.sr=1.5 is invalid: must be true or false",
+        ),
     ],
 )
 def test_a_hostile_value_is_one_line_naming_the_key_before_anything_runs(args, message):

@@ -30,6 +30,8 @@ MAX_PREFLIGHT_JOBS = 64
 
 
 def one_line(e: BaseException) -> str:
+    if typed := _mistyped(e):
+        return typed
     parts = []
     while e is not None and len(parts) < 3:
         text = str(e).strip()
@@ -38,6 +40,21 @@ def one_line(e: BaseException) -> str:
         e = e.__cause__
     line = ": ".join(dict.fromkeys(parts)) or "invalid configuration"
     return line + _allowed(line)
+
+
+# what a schema's type allows, by the name OmegaConf's validation error gives it
+_TYPES = {"bool": "true or false", "integer": "an integer", "float": "a number"}
+
+
+def _mistyped(e: BaseException) -> str | None:
+    """Hydra's "Error merging override k=v" for a value its schema field cannot take, said as
+    the runner's other lines are: "k=v is invalid: must be true or false"."""
+    override = re.match(r"Error merging override ([^=\s]+)=(.*)", str(e).strip())
+    cause = re.search(r"not a valid (\w+)|could not be converted to (\w+)", str(e.__cause__))
+    if override is None or cause is None:
+        return None
+    allowed = _TYPES.get((cause[1] or cause[2]).lower())
+    return f"{override[1]}={override[2]} is invalid: must be {allowed}" if allowed else None
 
 
 def _allowed(message: str) -> str:
