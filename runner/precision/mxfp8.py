@@ -10,7 +10,6 @@ are `MXFP8TrainingOpConfig`'s. That config's own conversion (`quantize_`, weight
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -18,10 +17,6 @@ from torch import nn
 
 from runner.precision.caps import DeviceCaps
 from runner.precision.fp8 import Fp8Linears, import_torchao
-
-
-def _not_an_enum_notice(record: logging.LogRecord) -> bool:
-    return "is an Enum subclass" not in record.getMessage()
 
 
 class MXFP8(Fp8Linears):
@@ -38,8 +33,6 @@ class MXFP8(Fp8Linears):
         self._out_dtype: torch.dtype | None = None  # the recipe's, set at conversion
 
     def _convert(self, model: nn.Module, chosen: set[str]) -> None:
-        # torch 2.13 notes once per enum that torchao's pytree registration is no longer needed
-        logging.getLogger("torch.utils._pytree").addFilter(_not_an_enum_notice)
         config = import_torchao("torchao.prototype.moe_training.config", "mxfp8")
         linear = import_torchao("torchao.prototype.moe_training.mxfp8_linear", "mxfp8")
         recipe = config.MXFP8TrainingOpConfig.from_recipe(config.MXFP8TrainingRecipe(self.recipe))
