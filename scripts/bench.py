@@ -58,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 import runner
 from runner import console
 from runner.compare.interleave import alternate, time_configs
-from runner.compare.stats import median_ratio
+from runner.compare.stats import median_ratio, quartiles
 from runner.config.validation import validate
 from runner.precision import DeviceCaps, Precision, master, plan, reduce
 from runner.precision.caps import resolve_device
@@ -195,7 +195,7 @@ def runner_vs_bare(args) -> None:
         rounds = [
             r / b for r, b in zip(results[mode, "runner"], results[mode, "bare"], strict=True)
         ]
-        q1, _, q3 = statistics.quantiles(rounds, n=4) if len(rounds) > 1 else (ratio,) * 3
+        q1, q3 = quartiles(rounds)  # NaN from a single round
         print(
             f"{mode:<10} {run:>9.1f} {bare:>9.1f} {ratio:>12.3f} {f'{q1:.3f}–{q3:.3f}':>14} "
             f"{graphs[mode, 'runner']:>14} {graphs[mode, 'bare']:>12}"

@@ -62,6 +62,16 @@ class Group:
         return [j for j in self.jobs if j.figures["health"] not in UNSTABLE] or self.jobs
 
 
+def completed(row: Group) -> bool:
+    return any(j.summary.get("status") == "completed" for j in row.jobs)
+
+
+def closest(row: Group, candidates: list[Group]) -> Group:
+    """Of `candidates`, the row that shares the most of `row`'s precision.* values (fp32
+    init_scale=1 for fp16 init_scale=1)."""
+    return max(candidates, key=lambda p: len(set(p.identity) & set(row.identity)))
+
+
 def scales_loss(precision: str) -> bool:
     """Whether a row's mode scales its loss (fp16, fp16_master): a skip there is an overflow."""
     from runner.precision.modes import MODES

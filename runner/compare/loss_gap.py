@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING
 
+from runner.compare.groups import Group, closest, completed
 from runner.compare.stats import finite, welch
-
-if TYPE_CHECKING:
-    from runner.compare.groups import Group
 
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 LOSS_GAP = ("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high")  # against the row's baseline
@@ -61,11 +58,12 @@ def gaps_to_bf16(groups: list[Group]) -> None:
         g.figures |= dict.fromkeys(BF16_GAP, math.nan)
         if g.base is None or g.base.precision != "fp32" or g.precision in ("fp32", "bf16"):
             continue
-        rivals = [p for p in groups if p.setting == g.setting and p.precision == "bf16"]
-        rivals = [p for p in rivals if p.counted]
-        if not g.counted or not rivals:
+        rivals = [
+            p for p in groups if p.setting == g.setting and p.precision == "bf16" and completed(p)
+        ]
+        if not rivals:
             continue
-        gap = _gap(g, max(rivals, key=lambda p: len(set(p.identity) & set(g.identity))))
+        gap = _gap(g, closest(g, rivals))
         if gap["gap_metric"] == "final_loss" and not math.isfinite(gap["loss_gap_ci_low"]):
             continue  # one seed without evaluations: _gap's fallback is the gap to fp32
         g.figures |= dict(zip(BF16_GAP, (gap[k] for k in LOSS_GAP), strict=True))

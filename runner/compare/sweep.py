@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from runner.compare import capacity, dashboard, finetune, report
-from runner.compare.groups import Group, memory_figure, scales_loss
+from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.stats import as_float, quartiles
 from runner.compare.target import TargetSpec
@@ -39,18 +39,14 @@ def _smoothed(rows: list[dict], window: int) -> dict[int, float]:
     )
 
 
-def _completed(row: Group) -> bool:
-    return any(j.summary.get("status") == "completed" for j in row.jobs)
-
-
 def baseline(row: Group, peers: list[Group]) -> Group | None:
     """What `row` is compared with, among the completed rows of its setting: the fp32 row that
     shares the most of its precision.* values (fp32 init_scale=1 for fp16 init_scale=1), or where
     the setting has no fp32, its first row (the report says so); None for a row alone."""
-    peers = [p for p in peers if _completed(p)]
+    peers = [p for p in peers if completed(p)]
     fp32 = [p for p in peers if p.precision == "fp32"]
     if fp32:
-        return max(fp32, key=lambda p: len(set(p.identity) & set(row.identity)))
+        return closest(row, fp32)
     return peers[0] if len(peers) > 1 else None
 
 
