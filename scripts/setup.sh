@@ -10,14 +10,17 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# -qq: pip's errors only (a failed install still says why); this machine's pip configuration may
+# name package indexes that are absent, and pip warns of each for every package it looks up.
+PIP=("$VENV/bin/python" -m pip install -qq --disable-pip-version-check)
 
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   if [ -z "${TORCH_SPEC:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1; then TORCH_SPEC="torch>=2.6"; else TORCH_SPEC="torch==2.13.0"; fi
   fi
   echo "installing $TORCH_SPEC"
-  "${PIP[@]}" "$TORCH_SPEC"
+  # numpy with it: torch imported without numpy warns that it failed to initialize NumPy
+  "${PIP[@]}" "$TORCH_SPEC" "numpy>=1.24"
 fi
 # Nothing installed after torch may replace it: were a release of peft or accelerate (model.peft)
 # to ask for a newer torch, pip would upgrade it to the newest. So every later install is

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from runner.precision.caps import CPU_KIND_ENV, CPU_KINDS
+
 # Before anything imports datasets or wandb: they read these at import time.
 _ROOT = Path(tempfile.mkdtemp(prefix="amp-runner-tests-"))
 os.environ.update(
@@ -20,16 +22,32 @@ os.environ.update(
     HF_DATASETS_CACHE=str(_ROOT / "hf-datasets"),
     AMP_RUNNER_CACHE=str(_ROOT / "amp-runner-cache"),
 )
+# One CPU kind for the whole suite, whatever this machine is (the kinds' flags, runner/precision/
+# caps.py): avx2 computes emulated bf16/fp16 matmuls in fp32, quick on every CPU. Tests whose
+# result depends on the kind take the `cpu_kind` fixture and run under each. `AMP_RUNNER_CPU_KIND=
+# amx make test` runs the whole suite as that kind would (native: this machine's own).
+os.environ.setdefault(CPU_KIND_ENV, "avx2")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Tests in parallel (pytest -n N): one thread per worker and its subprocesses, or their
     # oversubscribed BLAS threads spin and slow every test many times over.
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
+@pytest.fixture(params=list(CPU_KINDS))
+def cpu_kind(request, monkeypatch) -> str:
+    """The test runs once under each CPU kind, as that kind's process would see it."""
+    monkeypatch.setenv(CPU_KIND_ENV, request.param)
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests run where CUDA is (scripts/gpu_check.sh); elsewhere they are skipped."""
+    """Tests under each CPU kind carry the `cpu_kind` marker (`pytest -m cpu_kind` runs them).
+    `gpu` tests run where CUDA is (scripts/gpu_check.sh); elsewhere they are skipped."""
     import torch
 
+    for item in items:
+        if "cpu_kind" in getattr(item, "fixturenames", ()):
+            item.add_marker("cpu_kind")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: run scripts/gpu_check.sh on a GPU machine")

@@ -14,7 +14,6 @@ from torch.profiler import profile
 
 from runner.config.validation import validate
 from runner.errors import UserError
-from runner.precision import caps
 from runner.run import run
 from tests.helpers import TINY_BERT, TINY_MLP, make_cfg, read_metrics
 
@@ -123,23 +122,15 @@ def test_fast_kernels_hold_in_compiled_code(tmp_path):
         assert c["loss"] == pytest.approx(n["loss"], rel=1e-3)
 
 
-# The CPU kinds the project runs on, by the flags /proc/cpuinfo gives them, and the dtypes whose
-# matmuls each has units for (`auto` computes the others' in fp32).
-CPU_KINDS = {
-    "avx2": ({"avx2", "fma"}, set()),  # AMD EPYC before Zen 4: bf16 and fp16 emulated
-    "avx512_bf16": ({"avx2", "avx512f", "avx512_bf16"}, {"bf16"}),  # AMD EPYC Zen 5
-    "amx": ({"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"}, {"bf16", "fp16"}),
-}
+# The dtypes whose matmuls each CPU kind has units for (`auto` computes the others' in fp32).
+NATIVE = {"avx2": set(), "avx512_bf16": {"bf16"}, "amx": {"bf16", "fp16"}}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
-@pytest.mark.parametrize("kind", list(CPU_KINDS))
-def test_auto_picks_the_kernels_each_cpu_kind_has_units_for(tmp_path, monkeypatch, kind, mode):
-    """precision.cpu_kernels=auto on each CPU kind (its flags patched in, whatever this machine
-    is): native where the CPU has units for the dtype, fast where it has not, as the profiler
-    sees the matmuls run."""
-    flags, native = CPU_KINDS[kind]
-    monkeypatch.setattr(caps, "_cpu_flags", lambda: frozenset(flags))
+def test_auto_picks_the_kernels_each_cpu_kind_has_units_for(tmp_path, cpu_kind, mode):
+    """precision.cpu_kernels=auto on each CPU kind (whatever this machine is): native where the
+    CPU has units for the dtype, fast where it has not, as the profiler sees the matmuls run."""
+    native = NATIVE[cpu_kind]
     cfg = make_cfg(*TINY_MLP, *SHORT, f"precision={mode}", "trainer.max_steps=2")
     with profile(record_shapes=True) as prof:
         summary = run(cfg, tmp_path)

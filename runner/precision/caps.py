@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,17 @@ from runner.errors import UserError
 # The compute capability from which a GPU's tensor cores run each arithmetic (mxfp8: Blackwell)
 FP4 = ("nvfp4", "mxfp4")
 TENSOR_CORES = {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0), "fp8": (8, 9), "mxfp8": (10, 0)}
+
+# The CPU kinds the project runs on, by the flags /proc/cpuinfo gives them (those that decide a
+# precision's kernels). AMP_RUNNER_CPU_KIND=<kind> makes a process see that kind's flags, whatever
+# its CPU: to see what another machine's `auto` picks, and so that tests set the kind they test.
+CPU_KIND_ENV = "AMP_RUNNER_CPU_KIND"
+CPU_KINDS = {
+    "avx2": frozenset({"avx2", "fma"}),  # AMD EPYC before Zen 4: bf16 and fp16 emulated
+    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),  # Zen 5: bf16 native
+    # Intel Xeon with AMX: bf16 and fp16 native
+    "amx": frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"}),
+}
 
 
 @dataclass(frozen=True)
@@ -81,12 +93,27 @@ def _cpuinfo(prefix: str) -> str | None:
     return None
 
 
+def forced_cpu_kind() -> str | None:
+    """The kind AMP_RUNNER_CPU_KIND names, None where it is unset or `native` (this CPU's own)."""
+    kind = os.environ.get(CPU_KIND_ENV, "native")
+    if kind == "native":
+        return None
+    if kind not in CPU_KINDS:
+        raise UserError(
+            f"{CPU_KIND_ENV}={kind} is not a CPU kind: use one of {', '.join(CPU_KINDS)} or native"
+        )
+    return kind
+
+
 def _cpu_flags() -> frozenset[str]:
-    return frozenset((_cpuinfo("flags") or "").split())
+    kind = forced_cpu_kind()
+    return CPU_KINDS[kind] if kind else frozenset((_cpuinfo("flags") or "").split())
 
 
 def _cpu_name() -> str:
-    return _cpuinfo("model name") or "CPU"
+    name = _cpuinfo("model name") or "CPU"
+    kind = forced_cpu_kind()
+    return f"{name} (as {kind}: {CPU_KIND_ENV})" if kind else name
 
 
 def resolve_device(name: str) -> torch.device:
