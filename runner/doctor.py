@@ -8,6 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from runner.errors import UserError, fail
 from runner.measure.flops import cpu_matmul_tflops, peak_tflops
 from runner.precision import MODES, DeviceCaps, Mode
 
@@ -63,8 +64,11 @@ def main() -> None:
     console.print(
         f"torch {torch.__version__}, CUDA {cuda}, CUDA available: {torch.cuda.is_available()}"
     )
-    for device in devices():
-        console.print(report(device, cache_dir))
+    try:
+        for device in devices():
+            console.print(report(device, cache_dir))
+    except UserError as e:  # AMP_RUNNER_CPU_KIND names no kind
+        fail(e)
     console.print(
         "Emulated modes run, but slowly: their speed says nothing about the hardware that has them. "
         "The runner's precision=auto makes the recommended choice."

@@ -86,6 +86,27 @@ def test_auto_picks_the_best_native_mode():
     assert (auto.requested, auto.mode) == ("auto", "bf16") and "AMX_BF16" in auto.describe()
 
 
+AUTO_PICKS = {"avx2": "fp32", "avx512_bf16": "bf16", "amx": "bf16"}
+
+
+def test_a_run_sees_the_cpu_kind_it_is_given(tmp_path, cpu_kind):
+    """AMP_RUNNER_CPU_KIND decides what a run's `auto` picks, whatever this machine is, and the
+    summary's device name says the kind was set."""
+    summary = run(make_cfg(*TINY_MLP, "precision=auto", "trainer.max_steps=1"), tmp_path)
+    assert summary["precision"] == AUTO_PICKS[cpu_kind]
+    assert summary["device_name"].endswith(f"(as {cpu_kind}: AMP_RUNNER_CPU_KIND)")
+
+
+def test_an_unknown_cpu_kind_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMP_RUNNER_CPU_KIND", "zen9")
+    with pytest.raises(
+        UserError,
+        match=r"AMP_RUNNER_CPU_KIND=zen9 is not a CPU kind: use one of "
+        r"avx2, avx512_bf16, amx or native",
+    ):
+        run(make_cfg(*TINY_MLP, "trainer.max_steps=1"), tmp_path)
+
+
 def test_bf16_on_a_gpu_without_it_is_refused_with_the_reason():
     with pytest.raises(
         UserError, match=r"precision=bf16 is not supported natively here: Tesla V100"
