@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner import console
+from runner import console, wandb_file
 from runner.errors import first_line
 
 # Set by the entry point for a multirun (and inherited by launcher subprocesses): the keys the
@@ -96,6 +96,15 @@ class WandbTracker:
             self.run.define_metric(axis)
         self.clock = {"train_time_s": 0.0, "samples_seen": 0.0, "tokens_seen": 0.0}
         self._defined: set[str] = set()
+        # The last step W&B holds of a resumed run: rows up to it are not sent again (a killed
+        # run may have sent steps after its last checkpoint), rows after it are (W&B's service,
+        # signalled with the trainer, may have died before the last rows reached it).
+        self.held_through = self._held_through(out_dir) if run_id else 0
+
+    def _held_through(self, out_dir: Path) -> int:
+        if self.run.settings.mode == "offline":
+            return wandb_file.last_step(out_dir, self.run.id) or 0
+        return max(self.run.starting_step - 1, 0)  # the server's: its next step, less one
 
     @property
     def run_id(self) -> str:
@@ -106,9 +115,9 @@ class WandbTracker:
         return self.run.dir.removesuffix("/files") if self.run.settings.mode == "offline" else None
 
     def carry(self, rows: list[dict]) -> None:
-        """A resumed run's clock goes on from its earlier rows."""
-        for row in rows:
-            self._tick(row)
+        """A resumed run's clock goes on from its earlier rows; those W&B does not hold yet are
+        sent now."""
+        self.log(rows)
 
     def _tick(self, row: dict) -> None:
         dt = row.get("step_time_s")
@@ -134,7 +143,8 @@ class WandbTracker:
     def log(self, rows: list[dict]) -> None:
         for row in rows:  # at its optimizer step: a row amended with its evaluation merges in
             self._tick(row)
-            self.run.log(row | self._by_clock(row), step=row["step"])
+            if row["step"] > self.held_through:
+                self.run.log(row | self._by_clock(row), step=row["step"])
 
     def table(self, key: str, columns: list[str], rows: list[list], step: int) -> None:
         import wandb

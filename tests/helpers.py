@@ -60,32 +60,6 @@ def load_last(run_dir: Path) -> dict:
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
-def read_wandb_records(path: Path) -> list:
-    """Records of an offline W&B run file (`run-<id>.wandb`): a LevelDB-style log of 32 KiB
-    blocks, each record a 7-byte header (crc32, length, type) and a `wandb.proto` Record."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", "not a W&B run file"
-    block, pos, pending, records = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
-        kind = data[pos + 6]
-        if kind == 0 and length == 0:
-            break
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST: a whole record
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
 def cli(
     *args: str, cwd, env: dict | None = None, launcher: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:

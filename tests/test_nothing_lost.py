@@ -255,3 +255,35 @@ def test_a_finished_run_resumed_on_two_ranks_ends_at_once_with_its_summary(tmp_p
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3
     assert summary["final_loss"] == read_metrics(tmp_path)[-1]["loss"]
+
+
+def test_every_step_reaches_wandb_once_across_resumes(tmp_path):
+    """A resumed run sends W&B the rows its earlier attempt's W&B never got (its service died
+    with the trainer: steps 4-5 here) and not the ones it holds already (a run killed after its
+    last checkpoint sent steps 7-8, which the next attempt trains again): the attempts' offline
+    files hold steps 1..9, each once, as `wandb sync` uploads them."""
+    from runner import wandb_file
+    from runner.tracking import RunLog, WandbTracker
+
+    cfg = make_cfg(*TINY_MLP, "logger=wandb")
+
+    def rows(*steps):
+        return [{"step": s, "loss": 1.0 / s, "step_time_s": 0.1} for s in steps]
+
+    def attempt(run_id, resume_step, steps, metrics_only=()):
+        tracker = WandbTracker(cfg, tmp_path, run_id)
+        log = RunLog(tmp_path, tracker, resume_step=resume_step)
+        log.log_rows(rows(*steps))
+        log.finish({"status": "stopped"}, 1)
+        with open(tmp_path / "metrics.jsonl", "a") as f:  # written; W&B's service had died
+            f.writelines(json.dumps(r) + "\n" for r in rows(*metrics_only))
+        return tracker.run_id
+
+    run_id = attempt(None, None, [1, 2, 3], metrics_only=[4, 5])
+    attempt(run_id, 5, [6, 7, 8])  # killed after its checkpoint at step 6
+    attempt(run_id, 6, [7, 8, 9])
+    files = wandb_file.run_files(tmp_path, run_id)
+    assert len(files) == 3
+    sent = [row["step"] for path in files for row in wandb_file.history(path)]
+    assert sent == list(range(1, 10))
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 10))

@@ -330,8 +330,9 @@ def test_the_dashboard_draws_eval_loss_against_time_and_tokens_and_the_time_to_t
 def test_wandb_logs_eval_metrics_against_wall_time_and_tokens(tmp_path):
     """Each eval metric again as by_time/<name> and by_tokens/<name>, whose step metrics
     (define_metric) are the run's own clock and the tokens seen."""
+    from runner import wandb_file
     from runner.tracking import RunLog, WandbTracker
-    from tests.helpers import TINY_MLP, make_cfg, read_wandb_records
+    from tests.helpers import TINY_MLP, make_cfg
 
     cfg = make_cfg(*TINY_MLP, "logger=wandb", "logger.mode=offline")
     tracker = WandbTracker(cfg, tmp_path)
@@ -345,18 +346,14 @@ def test_wandb_logs_eval_metrics_against_wall_time_and_tokens(tmp_path):
     log.finish({"status": "completed"})
     path = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     for _ in range(100):  # W&B's service may still be writing the file as finish() returns
-        records = read_wandb_records(path)
+        records = wandb_file.records(path)
         if any(r.HasField("history") for r in records):
             break
         time.sleep(0.1)
     metrics = {r.metric.name: r.metric for r in records if r.HasField("metric") and r.metric.name}
     assert metrics["by_time/eval_loss"].step_metric == "train_time_s"
     assert metrics["by_tokens/eval_loss"].step_metric == "tokens_seen"
-    history = [
-        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-        for r in records
-        if r.HasField("history")
-    ]
+    history = wandb_file.history(path)
     evaluated = next(h for h in history if "by_time/eval_loss" in h)
     assert evaluated["train_time_s"] == 1.0 and evaluated["tokens_seen"] == 64.0
     assert evaluated["by_tokens/eval_loss"] == 0.7 and evaluated["step"] == 2

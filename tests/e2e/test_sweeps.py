@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli, module_run, read_metrics, read_wandb_records
+from runner import wandb_file
+from tests.helpers import cli, module_run, read_metrics
 
 pytestmark = pytest.mark.slow
 MLP = [
@@ -22,16 +23,9 @@ MLP = [
 def _wandb_run(job_dir):
     files = list(job_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    records = read_wandb_records(files[0])
+    records = wandb_file.records(files[0])
     run = next(r.run for r in records if r.HasField("run"))
-    history = [
-        {
-            item.key or "/".join(item.nested_key): json.loads(item.value_json)
-            for item in r.history.item
-        }
-        for r in records
-        if r.HasField("history")
-    ]
+    history = wandb_file.history(files[0])
     summary = {}
     for r in records:
         if r.HasField("summary"):
@@ -72,7 +66,7 @@ def test_precision_sweep_logs_one_grouped_wandb_run_per_job_and_compares(tmp_pat
     # The comparison is logged to the sweep's group too.
     compare_runs = list(sweep.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(compare_runs) == 1
-    records = read_wandb_records(compare_runs[0])
+    records = wandb_file.records(compare_runs[0])
     run = next(r.run for r in records if r.HasField("run"))
     assert run.run_group == "multirun-a" and run.job_type == "compare"
 
