@@ -26,6 +26,9 @@ def job(cfg: DictConfig) -> float | None:
         return run(cfg)["final_loss"]
     except Preempted as e:  # stops a sweep too: the cluster wants the machine back
         print(f"{e}; continue with trainer.resume=auto", file=sys.stderr)
+        from runner.train.preemption import hand_on
+
+        hand_on(e.signal_name)  # submitit's requeue, under +launcher=slurm
         sys.exit(e.exit_code)
     except Exception as e:
         if HydraConfig.get().mode != RunMode.MULTIRUN:

@@ -18,7 +18,8 @@ class TrainingStopped(UserError):
 
 
 class Preempted(Exception):
-    """SIGTERM or SIGUSR1 arrived: the current step finished and a checkpoint was written."""
+    """SIGTERM, SIGUSR1 or SIGUSR2 arrived: the current step finished and a checkpoint was
+    written."""
 
     exit_code = 75  # EX_TEMPFAIL: try again (with trainer.resume=auto)
 
