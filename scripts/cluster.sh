@@ -167,8 +167,8 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # the private munged; cred_expire is also how long a requeued job waits before it may run again
-# (default 120 s)
-AuthInfo=socket=$CD/munge/munge.socket,cred_expire=5
+# (default 120 s; 5 is the least, 10 leaves a loaded machine time to launch a step)
+AuthInfo=socket=$CD/munge/munge.socket,cred_expire=10
 StateSaveLocation=$CD/slurm/state
 SlurmdSpoolDir=$CD/slurm/spool
 SlurmctldPidFile=$PIDS/slurmctld.pid
@@ -190,6 +190,9 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=1024
 SchedulerType=sched/backfill
+# A job becomes eligible later (a requeued one after cred_expire) without an event that runs the
+# scheduler: it starts at the next periodic pass, every 60 s (main) and 30 s (backfill) by default
+SchedulerParameters=sched_interval=2,bf_interval=1
 # the tests wait on the cluster: short timeouts, a quick kill, finished jobs leave squeue soon
 # (sacct keeps them)
 MessageTimeout=5
