@@ -10,7 +10,14 @@ RUNNER = Path(__file__).resolve().parent.parent / "runner"
 # Lowest first: a module may import its own layer and those before it. The entry points
 # (runner/__main__.py, islands.py, export.py, doctor.py) sit above them all.
 LAYERS = [
-    ("runner.errors", "runner.console", "runner.task", "runner.tracking", "runner.build"),
+    (
+        "runner.errors",
+        "runner.console",
+        "runner.task",
+        "runner.wandb_file",
+        "runner.tracking",
+        "runner.build",
+    ),
     ("runner.precision",),
     ("runner.config",),
     ("runner.measure",),

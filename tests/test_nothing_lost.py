@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -277,6 +278,12 @@ def test_every_step_reaches_wandb_once_across_resumes(tmp_path):
         log.finish({"status": "stopped"}, 1)
         with open(tmp_path / "metrics.jsonl", "a") as f:  # written; W&B's service had died
             f.writelines(json.dumps(r) + "\n" for r in rows(*metrics_only))
+        # W&B's service may still be writing the file as finish() returns (its process is gone
+        # before a real next attempt starts)
+        for _ in range(300):
+            if wandb_file.last_step(tmp_path, tracker.run_id) == steps[-1]:
+                break
+            time.sleep(0.1)
         return tracker.run_id
 
     run_id = attempt(None, None, [1, 2, 3], metrics_only=[4, 5])
