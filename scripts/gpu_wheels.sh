@@ -62,4 +62,5 @@ if found=$(ls "$DIR" | grep -Ei '^(torch|nvidia|triton|cuda|numpy)[-_]'); then
   exit 1
 fi
 echo "$SPEC" >"$DIR/.spec"
-echo "gpu wheels for Python $PYV in $DIR: $(ls "$DIR"/*.whl | wc -l) files, $(du -sh "$DIR" | cut -f1)"
+echo "gpu wheels for Python $PYV in $DIR: $(ls "$DIR"/*.whl | wc -l) files," \
+  "$(du -sh "$DIR" | cut -f1)"

@@ -30,6 +30,19 @@ def test_a_loss_is_read_from_the_gpu_without_waiting_for_the_work_queued_after_i
     assert value == pytest.approx(loss.item()) and later.shape == x.shape
 
 
+def test_the_step_time_on_cuda_is_the_gpus_work_not_the_launches(tmp_path):
+    """Telemetry times a log interval up to the read of its device values, which waits for the
+    GPU. A step of about 5 TFLOP in fp32 takes the GPU far longer than the host takes to launch
+    it: timed at the launches, MFU would come out above 1 (runner's `above_peak`)."""
+    big = ["model.hidden_size=1024", "model.num_hidden_layers=4", "model.num_attention_heads=16"]
+    big += ["model.intermediate_size=4096", "dataset.seq_len=512", "dataset.batch_size=32"]
+    steps = ["trainer.max_steps=12", "trainer.benchmark.warmup_steps=4"]
+    summary = run(make_cfg(*CUDA, *big, *steps, "precision=fp32"), tmp_path)
+    assert summary["flops_per_step"] > 3e12 and "above_peak" not in summary
+    if device_model(torch.cuda.get_device_name()):
+        assert 0 < summary["mfu"] < 1
+
+
 @pytest.mark.parametrize(("mode", "arithmetic"), [("tf32", "tf32"), ("fp32", "fp32")])
 def test_fp32_matmuls_run_in_tf32_only_under_tf32_and_mfu_uses_the_datasheet(
     tmp_path, mode, arithmetic
