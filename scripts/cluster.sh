@@ -40,17 +40,23 @@ alive() {  # alive PID: the process runs and is one of ours
 }
 pid_of() { cat "$PIDS/$1.pid" 2>/dev/null || true; }
 running() { alive "$(pid_of "$1")"; }
-session_pids() {  # every process in session $1 (Ray's daemons and workers share the session)
+session_pids() {  # session_pids SID [NAME]: the processes in session SID (named NAME)
   [ -n "${1:-}" ] || return 0
-  ps -eo pid=,sid= | awk -v s="$1" '$2 == s && $1 != s {print $1} $1 == s {print $1}'
+  ps -eo pid=,sid=,comm= | awk -v s="$1" -v n="${2:-}" '$2 == s && (n == "" || $3 == n) {print $1}'
+}
+gone() {  # gone PID: exited (a zombie counts: this machine's init may reap it only seconds later)
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  stat=${stat##*) }  # the state follows the command's name, which is in parentheses
+  [ "${stat:0:1}" = Z ]
 }
 stop_pids() {  # stop_pids SECONDS PID...: SIGTERM, then SIGKILL what is left after SECONDS
-  local grace=$1 p left; shift
+  local deadline=$((SECONDS + $1)) p left; shift
   [ $# -gt 0 ] || return 0
   kill -TERM "$@" 2>/dev/null || true
-  for _ in $(seq $((grace * 10))); do
+  while [ "$SECONDS" -lt "$deadline" ]; do
     left=""
-    for p in "$@"; do [ -e "/proc/$p" ] && left="$left $p"; done
+    for p in "$@"; do gone "$p" || left="$left $p"; done
     [ -z "$left" ] && return 0
     sleep 0.1
   done
@@ -379,6 +385,12 @@ down() {
   pid=$(pid_of ray)
   sid=$(ray_session)
   if alive "$pid" && [ -n "$sid" ]; then
+    # in `ray stop`'s order: the raylet, then the rest, the GCS last (stopped all at once, the
+    # raylet and the GCS wait on each other until SIGKILL)
+    # shellcheck disable=SC2046
+    stop_pids 10 $(session_pids "$sid" raylet)
+    # shellcheck disable=SC2046
+    stop_pids 10 $(session_pids "$sid" | grep -vxF "$pid")
     # shellcheck disable=SC2046
     stop_pids 10 $(session_pids "$sid")
     line ray "stopped (pid $pid and its session $sid)"
@@ -387,7 +399,7 @@ down() {
   fi
   rm -f "$PIDS/ray.pid" "$PIDS/ray.sid"
   # jobs still on the node end before their slurmd does, so none outlives the cluster
-  if running slurmctld && SLURM_CONF=$CONF squeue -h -o %i | grep -q .; then
+  if running slurmctld && SLURM_CONF=$CONF squeue -h -o %i 2>/dev/null | grep -q .; then
     SLURM_CONF=$CONF scancel --full --signal=KILL --state=RUNNING 2>/dev/null || true
     SLURM_CONF=$CONF scancel --state=PENDING 2>/dev/null || true
     for _ in $(seq 50); do
