@@ -4,6 +4,8 @@ can. On a CUDA device only (skipped elsewhere; scripts/gpu_check.sh runs them)."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from runner.measure.peaks import device_model
 from runner.run import run
 from runner.train.telemetry import read_later
 from tests.helpers import TINY_BERT, load_last, make_cfg, read_metrics
+from tests.test_forensics import POISONED_STEP, _poisoned
 
 pytestmark = pytest.mark.gpu
 CUDA = [*TINY_BERT, "trainer.device=cuda", "trainer.val_check_interval=0"]
@@ -136,3 +139,13 @@ def test_fp16_health_and_the_fp32_evaluation_run_their_references_on_cuda(tmp_pa
     assert 0 <= health["underflow_share_unscaled"] <= 1 and health["audited_scale"] > 0
     fp32 = summary["eval_precisions"]["fp32"]
     assert fp32["status"] == "ok" and fp32["metrics"]["eval_loss"] > 0
+
+
+def test_a_non_finite_step_on_cuda_is_skipped_replayed_and_named(tmp_path):
+    """On CUDA the trainer learns of a skip a step late (the flag is read without a sync), then
+    replays the failed step on its own weights with the CUDA RNG forked (train/diagnostics.py)."""
+    overrides = [*_poisoned(batch=8, global_batch=8), "trainer.device=cuda", "trainer.max_steps=5"]
+    summary = run(make_cfg(*overrides), tmp_path)
+    assert summary["skipped_steps"] == 1
+    report = json.loads((tmp_path / "nonfinite.json").read_text())
+    assert report["step"] == POISONED_STEP and report["forward"]["first_nonfinite"] == "net.0"
