@@ -111,10 +111,25 @@ install_debian() {
 install_ray() {
   local py=$VENV/bin/python before after pin reqs
   [ -x "$py" ] || die "no Python environment at $VENV: run 'make setup' (or set VENV)"
-  "$py" -c "import ray" 2>/dev/null && return 0
-  # The packages of pyproject.toml's `ray` extra, installed without touching the environment's
-  # torch: pip must fail rather than replace it.
-  reqs=$("$py" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"]))')
+  # The packages of pyproject.toml's `ray` extra that are missing, installed without touching the
+  # environment's torch: pip must fail rather than replace it.
+  reqs=$("$py" - <<'EOF'
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.requirements import Requirement
+
+for line in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"]:
+    req = Requirement(line)
+    try:
+        if req.specifier.contains(version(req.name), prereleases=True):
+            continue
+    except PackageNotFoundError:
+        pass
+    print(line)
+EOF
+)
+  [ -n "$reqs" ] || return 0
   echo "installing $(echo "$reqs" | tr '\n' ' ')into $VENV (pip)"
   pin=$(mktemp)
   before=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)

@@ -3,12 +3,14 @@
 Each test proves one thing the runner's tests will need: accounting records a finished job
 (submitit reads sacct), a requeued job runs again within seconds, signals reach the batch shell
 and the job steps (scancel, and `--signal` before a time limit, as submitit asks for), two 1-CPU
-jobs share the node, and the Ray head runs a remote function.
+jobs share the node, and the Ray head runs a remote function and a Hydra sweep.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 import time
 
@@ -154,3 +156,52 @@ def test_ray_runs_a_remote_function_on_the_head(ray_head):
     assert value == 42
     assert pid != os.getpid()  # a worker of the head ran it, not this process
     assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
+
+
+APP = """\
+import os
+
+import hydra
+
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    print(f"x={cfg.x} pid={os.getpid()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_hydra_ray_launcher_sweeps_on_the_head(ray_head, cluster_env, tmp_path):
+    """hydra-ray-launcher (the `ray` extra) beside hydra-core 1.3 runs a sweep's jobs on the head.
+    Its launch() sets ray.init's object_store_memory, which ray.init refuses when it joins a
+    running cluster: a null value is the way around."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_ray_launcher", reason="the `ray` extra is not installed"
+    )
+    (tmp_path / "app.py").write_text(APP)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "-m",
+            "+x=1,2",
+            "hydra/launcher=ray",
+            f"+hydra.launcher.ray.init.address={ray_head}",
+            "+hydra.launcher.ray.init.object_store_memory=null",
+            f"hydra.sweep.dir={tmp_path}/multirun",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, **cluster_env},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    # each job's line as Ray forwards a worker's output: "(_run_job pid=N) x=1 pid=N"
+    ran = sorted(x for _, x in re.findall(r"\(_run_job pid=(\d+)\)\S*\s+x=(\d) pid=\1", log))
+    assert ran == ["1", "2"], log[-3000:]
+    assert sorted(p.name for p in (tmp_path / "multirun").iterdir() if p.is_dir()) == ["0", "1"]
