@@ -32,6 +32,10 @@ WHEELS=${GPU_WHEELS:-gpu-wheels}
 DRY=${GPU_CHECK_DRY:-0}
 BUDGET=${GPU_CHECK_BUDGET:-570}
 WORK=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
+if [ ! -d "$WHEELS" ]; then
+  echo "no wheel folder $WHEELS: run scripts/gpu_wheels.sh where PyPI is, and carry it" >&2
+  exit 2
+fi
 mkdir -p "$RESULTS" "$WORK"
 RESULTS=$(cd "$RESULTS" && pwd) WORK=$(cd "$WORK" && pwd) WHEELS=$(cd "$WHEELS" && pwd) || exit 2
 LOG=$RESULTS/check.log STEPS=$WORK/steps.tsv
