@@ -50,6 +50,21 @@ gone() {  # gone PID: exited (a zombie counts: this machine's init may reap it o
   stat=${stat##*) }  # the state follows the command's name, which is in parentheses
   [ "${stat:0:1}" = Z ]
 }
+job_leftovers() {  # the job steps of our slurmd that outlived the cancellation, with their tasks
+  local p steps=""
+  for p in $(ps -eo pid=,comm= | awk '$2 == "slurmstepd" {print $1}'); do
+    # our slurmd's steps: started by it, they have its environment, SLURM_CONF included
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qxF -- "SLURM_CONF=$CONF" && steps="$steps $p"
+  done
+  [ -n "$steps" ] || return 0
+  ps -eo pid=,ppid= | awk -v roots="$steps" '
+    { parent[$1] = $2 }
+    END {
+      n = split(roots, r, " "); for (i = 1; i <= n; i++) mine[r[i]] = 1
+      do { more = 0; for (p in parent) if (!(p in mine) && (parent[p] in mine)) { mine[p] = 1; more = 1 } } while (more)
+      for (p in mine) print p
+    }'
+}
 stop_pids() {  # stop_pids SECONDS PID...: SIGTERM, then SIGKILL what is left after SECONDS
   local deadline=$((SECONDS + $1)) p left; shift
   [ $# -gt 0 ] || return 0
@@ -310,7 +325,16 @@ start_slurmctld() {
 node_state() { SLURM_CONF=$CONF sinfo -h -N -n "$(hostname -s)" -o %t 2>/dev/null; }
 node_idle() { node_state | grep -qE '^(idle|mix|alloc)'; }
 start_slurmd() {
+  local stale
+  # Jobs the controller still counts as running on a node whose slurmd is not running: left by a
+  # stop that did not end them (a crash, a kill); they would hold the node's CPUs for good.
+  stale=$(SLURM_CONF=$CONF squeue -h -t RUNNING,COMPLETING -o %i | tr '\n' ' ')
   SLURM_CONF=$CONF slurmd -f "$CONF" -N "$(hostname -s)"
+  if [ -n "${stale// /}" ]; then
+    # shellcheck disable=SC2086
+    SLURM_CONF=$CONF scancel $stale 2>/dev/null || true
+    line slurmd "cancelled jobs ${stale% } (running when their slurmd was not)"
+  fi
   wait_for 60 "slurmd (node $(hostname -s): $(node_state))" node_idle
 }
 
@@ -425,14 +449,10 @@ down() {
   for name in slurmd slurmctld slurmdbd mariadb munge; do
     pid=$(pid_of "$name")
     if alive "$pid"; then
-      sid=$(ps -o sid= -p "$pid" | tr -d ' ')
       stop_pids 20 "$pid"
       line "$name" "stopped (pid $pid)"
-      if [ "$name" = slurmd ] && [ "$sid" = "$pid" ]; then
-        # a job step the cancellation missed (slurmstepd and its tasks stay in slurmd's session)
-        # shellcheck disable=SC2046
-        stop_pids 5 $(session_pids "$sid")
-      fi
+      # shellcheck disable=SC2046
+      [ "$name" = slurmd ] && stop_pids 5 $(job_leftovers)
     else
       line "$name" "not running"
     fi
