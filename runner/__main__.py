@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import hydra
@@ -48,7 +47,11 @@ def main() -> None:
         args = sys.argv[1:] = with_seeds(args)  # runner.seeds=N: a seed sweep Hydra runs
         preflight(args)
         if is_multirun(args) and not informational(args):
-            os.environ[SWEEP_KEYS_ENV] = ",".join(sweep_keys(args))
+            # Each job's W&B name and group carry its swept values: the keys travel in the jobs'
+            # own config (Hydra sets env_set in the process that runs the job, a SLURM node or a
+            # Ray worker too), not in this process's environment.
+            keys = ",".join(sweep_keys(args))
+            args = sys.argv[1:] = [*args, f"++hydra.job.env_set.{SWEEP_KEYS_ENV}='{keys}'"]
         from runner.train import distributed  # imports torch: after the quick checks
 
         ranks = distributed.init()  # under torchrun; one process: nothing to do
