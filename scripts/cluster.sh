@@ -124,39 +124,37 @@ install_debian() {
 }
 
 install_ray() {
-  local py=$VENV/bin/python before after pin reqs
+  local py=$VENV/bin/python before after pin
   [ -x "$py" ] || die "no Python environment at $VENV: run 'make setup' (or set VENV)"
-  # The packages of pyproject.toml's `ray` extra that are missing, installed without touching the
-  # environment's torch: pip must fail rather than replace it.
-  reqs=$("$py" - <<'EOF'
-import tomllib
-from importlib.metadata import PackageNotFoundError, version
+  # pyproject.toml's `ray` extra, checked by its requirements and pip check (installed alone, the
+  # launcher's cloudpickle<3 once broke joblib's cloudpickle>=3, and `make setup` undid it)
+  if "$py" - >/dev/null 2>&1 <<'EOF'; then return 0; fi
+import subprocess, sys, tomllib
+from importlib.metadata import version
 
 from packaging.requirements import Requirement
 
 for line in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"]:
     req = Requirement(line)
-    try:
-        if req.specifier.contains(version(req.name), prereleases=True):
-            continue
-    except PackageNotFoundError:
-        pass
-    print(line)
+    assert req.specifier.contains(version(req.name), prereleases=True), line
+check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+sys.exit(check.returncode)
 EOF
-)
-  [ -n "$reqs" ] || return 0
-  echo "installing $(echo "$reqs" | tr '\n' ' ')into $VENV (pip)"
+  # With the project, so pip resolves the extra and the project's own requirements together; and
+  # without touching the environment's torch: pip must fail rather than replace it.
+  echo "installing the project's ray extra into $VENV (pip install -e '.[ray]')"
   pin=$(mktemp)
   before=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
   [ -n "$before" ] && echo "torch==$before" >"$pin"
-  # shellcheck disable=SC2086
-  if ! "$py" -m pip install -qq --disable-pip-version-check -c "$pin" $reqs >"$LOG/pip.log" 2>&1; then
+  if ! "$py" -m pip install -qq --disable-pip-version-check -c "$pin" -e ".[ray]" >"$LOG/pip.log" 2>&1; then
     rm -f "$pin"
-    die "pip could not install Ray into $VENV: $(grep -m1 ERROR "$LOG/pip.log" || tail -1 "$LOG/pip.log")"
+    die "pip could not install the ray extra into $VENV: $(grep -m1 ERROR "$LOG/pip.log" || tail -1 "$LOG/pip.log")"
   fi
   rm -f "$pin"
   after=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
   [ "$before" = "$after" ] || die "installing Ray changed torch from $before to $after"
+  "$py" -m pip check >"$LOG/pip-check.log" 2>&1 ||
+    die "the ray extra left the environment inconsistent: $(grep -v 'is ignored' "$LOG/pip-check.log" | head -1)"
 }
 
 # --- configuration (written while nothing of ours runs; ports chosen afresh) -------------------
