@@ -2,7 +2,7 @@
 # A one-node SLURM cluster (munge, MariaDB, slurmdbd, slurmctld, slurmd) and a Ray head on this
 # machine, on 127.0.0.1, for `make test-cluster` (tests/cluster/).
 #   bash scripts/cluster.sh up       install what is missing, start what is not running, wait
-#   bash scripts/cluster.sh status   one line per service
+#   bash scripts/cluster.sh status   one line per service; exit status 0 when all run, else 3
 #   bash scripts/cluster.sh down     stop exactly the processes `up` started
 # Everything (configs, keys, databases, logs, pid files) lives under CLUSTER_DIR (default
 # /tmp/amp-runner-cluster); nothing is exported: clients read CLUSTER_DIR/env (SLURM_CONF,
@@ -459,10 +459,14 @@ down() {
   rm -f "$CD/env"
 }
 
-status() {
-  local name
-  for name in "${SERVICES[@]}"; do describe "$name"; done
+status() {  # exits 0 when every service runs, 3 otherwise
+  local name rc=0
+  for name in "${SERVICES[@]}"; do
+    describe "$name"
+    running "$name" || rc=3
+  done
   if [ -r "$CD/env" ]; then echo "env: $CD/env"; fi
+  return $rc
 }
 
 case "${1:-}" in
