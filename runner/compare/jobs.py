@@ -13,6 +13,10 @@ from omegaconf import OmegaConf
 from runner.errors import UserError
 from runner.tracking import flat_config
 
+# Beside a job's run, what the launcher knows of it (runner/launch/sweep.py): its SLURM job id and
+# state, which say why a run that did not complete stopped (CANCELLED, TIMEOUT, ...).
+LAUNCHER_RECORD = "slurm.json"
+
 # Keys that say how a job was run, not what it ran: left out of its identity.
 BOOKKEEPING = (
     "seed",
@@ -111,6 +115,13 @@ def _read_job(folder: Path) -> Job:
             "status": "failed",
             "error": "no summary.json: the job was killed or never started",
         }
+    record_file = folder / LAUNCHER_RECORD
+    if summary.get("status") != "completed" and record_file.exists():
+        record = json.loads(record_file.read_text())
+        if record.get("state") not in (None, "COMPLETED"):
+            why = f"SLURM job {record.get('job_id')} {record['state']}"
+            said = summary.get("error") or summary.get("status")
+            summary = summary | {"error": f"{why} ({said})" if said else why}
     rows = []
     if metrics_file.exists():
         rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]

@@ -27,6 +27,7 @@ def preflight(args: list[str]) -> None:
     if informational(args):
         return
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
 
     from runner import CONF_DIR
     from runner.config.validation import validate
@@ -44,12 +45,15 @@ def preflight(args: list[str]) -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for job in jobs:
             try:
-                cfg = compose("config", overrides=job + searchpath)
+                cfg = compose("config", overrides=job + searchpath, return_hydra_config=True)
             except Exception as e:
                 raise UserError(one_line(e)) from None
+            launcher = OmegaConf.select(cfg, "hydra.launcher._target_", default="")
+            with open_dict(cfg):
+                del cfg["hydra"]  # the job's own config, as Hydra hands it to the job
             _resolve(cfg)
             validate(cfg)
-            check_buildable(cfg)
+            check_buildable(cfg, elsewhere=runs_elsewhere(launcher))
 
 
 def _check_output_dirs(args: list[str]) -> None:
@@ -85,10 +89,24 @@ _INSTANTIATE_KEYS = {"_target_", "_recursive_", "_partial_", "_convert_", "_args
 _PASSED = {"model": {"data"}}
 
 
-def check_buildable(cfg) -> None:
-    """What can be checked of a job without training: its device exists, and each `_target_`
-    of the task-owned groups imports and takes the keys its config node gives it (a typo added
-    with `++` is one line here, not an error from the constructor or a key nothing reads)."""
+# Launchers whose jobs run on other machines (a SLURM node, a Ray worker): a job's device is
+# checked there, by the run (here validation checks its name). amp-runner's own SLURM launcher
+# by its module, Ray's launchers by theirs, submitit's SLURM launcher by its class.
+_ELSEWHERE = ("hydra_plugins.hydra_ray_launcher.", "hydra_plugins.amp_runner_launcher.slurm.")
+_ELSEWHERE_CLASSES = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
+
+
+def runs_elsewhere(launcher_target: str) -> bool:
+    """Whether the launcher named by `hydra.launcher._target_` runs jobs on other machines."""
+    return launcher_target.startswith(_ELSEWHERE) or launcher_target in _ELSEWHERE_CLASSES
+
+
+def check_buildable(cfg, elsewhere: bool = False) -> None:
+    """What can be checked of a job without training: its device exists (not where the job runs
+    `elsewhere`, on a SLURM node or a Ray worker: a login node has no GPU, and the run checks it
+    there), and each `_target_` of the task-owned groups imports and takes the keys its config
+    node gives it (a typo added with `++` is one line here, not an error from the constructor or
+    a key nothing reads)."""
     import inspect
 
     from hydra._internal.utils import _locate
@@ -96,7 +114,8 @@ def check_buildable(cfg) -> None:
 
     from runner.precision.caps import resolve_device
 
-    resolve_device(cfg.trainer.device)
+    if not elsewhere:
+        resolve_device(cfg.trainer.device)
     for group in ("model", "dataset", "optim"):
         nodes = [(group, cfg.get(group))]
         while nodes:
