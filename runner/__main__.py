@@ -37,6 +37,13 @@ def job(cfg: DictConfig) -> float | None:
         # One failed job does not stop the sweep: its summary.json says why, and the comparison
         # at the end reports it (and the command exits non-zero).
         print(f"error: job {HydraConfig.get().job.num} failed: {first_line(e)}", file=sys.stderr)
+        from runner.train.distributed import from_env
+
+        if from_env().enabled:
+            # Under DDP the job fails with any rank: this task exits non-zero (a return, or an
+            # exception, would be a result to Hydra and submitit: "completed"), so srun ends the
+            # step, SLURM records the job FAILED, the sweep names it and a rerun resumes it.
+            sys.exit(1)
         return None
 
 

@@ -113,11 +113,21 @@ def _resume_point(cfg: DictConfig, out: Path) -> tuple | None:
     leave nothing in its place."""
     record = out / "metrics.jsonl"
     if not cfg.trainer.resume and record.exists() and record.stat().st_size:
+        if _in_sweep() and finished_summary(out, cfg.trainer.max_steps):
+            # A sweep run again in its folder, to complete it: this job had completed, so it is
+            # read back (by `_finished`, refused there if the command changed what it ran).
+            return checkpoint.find_resume("auto", out)
         raise UserError(
             f"{out} holds an earlier run's metrics.jsonl: continue it with trainer.resume=auto, "
             "or give this run a folder of its own (hydra.run.dir=...)"
         )
     return checkpoint.find_resume(cfg.trainer.resume, out)
+
+
+def _in_sweep() -> bool:
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _finished(cfg: DictConfig, out: Path, resume: tuple | None, ranks) -> dict | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.compare import capacity, dashboard, finetune, report
+from runner.compare import capacity, dashboard, finetune, incomplete, report
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
 from runner.compare.stats import as_float, quartiles
@@ -218,13 +218,15 @@ class CompareCallback(Callback):
             return
         sweep = Path(config.hydra.sweep.dir)
         try:
-            CompareCallback.failed_jobs = sum(
-                j.summary.get("status") != "completed" for j in load_sweep(sweep)
-            )
+            jobs = load_sweep(sweep)
+            CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
             given = OmegaConf.to_container(config.compare) if config.get("compare") else None
             compare(sweep, speed=config.runner.speed, target=given)
         except UserError as e:  # the failed jobs still fail the command
             print(f"error: {e}", file=sys.stderr)
+        else:
+            named = any(o.startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra)
+            incomplete.report(jobs, str(sweep), config.trainer.get("resume"), named)
 
 
 def main(argv: list[str] | None = None) -> None:
