@@ -106,6 +106,7 @@ install_debian() {
   # Their install scripts would start system-wide munge and MariaDB services; this script runs
   # its own. Keep them from starting, with the policy file invoke-rc.d reads, unless there is one.
   if [ ! -e /usr/sbin/policy-rc.d ]; then
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT  # gone again however apt-get ends
     printf '#!/bin/sh\n# cluster.sh: no service starts while it installs packages\nexit 101\n' \
       >/usr/sbin/policy-rc.d
     chmod 755 /usr/sbin/policy-rc.d
@@ -119,7 +120,10 @@ install_debian() {
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" \
         >>"$LOG/apt.log" 2>&1 || ok=""
   fi
-  [ -n "$created_policy" ] && rm -f /usr/sbin/policy-rc.d
+  if [ -n "$created_policy" ]; then
+    rm -f /usr/sbin/policy-rc.d
+    trap - EXIT
+  fi
   [ -n "$ok" ] || die "apt-get install ${need[*]} failed: $(tail -1 "$LOG/apt.log")"
 }
 
@@ -159,7 +163,7 @@ EOF
 
 # --- configuration (written while nothing of ours runs; ports chosen afresh) -------------------
 free_ports() {  # free_ports N: N distinct free TCP ports on 127.0.0.1
-  python3 - "$1" <<'EOF'
+  "$VENV/bin/python" - "$1" <<'EOF'
 import socket, sys
 socks = [socket.socket() for _ in range(int(sys.argv[1]))]
 for s in socks:
@@ -186,7 +190,7 @@ write_configs() {
 P_CTLD=$P_CTLD P_SLURMD=$P_SLURMD P_DBD=$P_DBD P_MYSQL=$P_MYSQL
 P_RAY=$P_RAY P_RAY_DASH=$P_RAY_DASH P_RAY_AGENT=$P_RAY_AGENT
 EOF
-  [ -s "$CD/mysql/slurm.pass" ] || (umask 077; python3 -c 'import secrets; print(secrets.token_hex(16))' >"$CD/mysql/slurm.pass")
+  [ -s "$CD/mysql/slurm.pass" ] || (umask 077; "$VENV/bin/python" -c 'import secrets; print(secrets.token_hex(16))' >"$CD/mysql/slurm.pass")
   : >"$ETC/plugstack.conf"  # no SPANK plugins (not the system's /etc/slurm/plugstack.conf)
   cat >"$CONF" <<EOF
 # Written by scripts/cluster.sh: a one-node cluster on 127.0.0.1 for the tests.
