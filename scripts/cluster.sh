@@ -35,8 +35,8 @@ line() { printf '%-10s %s\n' "$1" "$2"; }
 # CLUSTER_DIR (a pid file outlives its process; the pid may be another's by now) ---------------
 alive() {  # alive PID: the process runs and is one of ours
   [ -n "${1:-}" ] && [ -r "/proc/$1/cmdline" ] || return 1
-  tr '\0' '\n' <"/proc/$1/cmdline" | grep -qF -- "$CD" && return 0
-  tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF -- "SLURM_CONF=$CONF"
+  tr '\0' '\n' 2>/dev/null <"/proc/$1/cmdline" | grep -qF -- "$CD" && return 0
+  tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF -- "SLURM_CONF=$CONF"
 }
 pid_of() { cat "$PIDS/$1.pid" 2>/dev/null || true; }
 running() { alive "$(pid_of "$1")"; }
@@ -54,7 +54,7 @@ job_leftovers() {  # the job steps of our slurmd that outlived the cancellation,
   local p steps=""
   for p in $(ps -eo pid=,comm= | awk '$2 == "slurmstepd" {print $1}'); do
     # our slurmd's steps: started by it, they have its environment, SLURM_CONF included
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qxF -- "SLURM_CONF=$CONF" && steps="$steps $p"
+    tr '\0' '\n' 2>/dev/null <"/proc/$p/environ" | grep -qxF -- "SLURM_CONF=$CONF" && steps="$steps $p"
   done
   [ -n "$steps" ] || return 0
   ps -eo pid=,ppid= | awk -v roots="$steps" '
