@@ -1,0 +1,194 @@
+"""No preemption loses work, on the real one-node SLURM: each way a cluster takes a machine
+back, sent to a job of a real `+launcher=slurm` sweep while it trains. The job checkpoints at the
+signal (where there is time), is requeued, resumes at that step, and ends with one metrics.jsonl
+and one W&B run whose offline files hold every step exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner import wandb_file
+from tests.helpers import read_metrics
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 400
+JOB = [
+    "model=mlp",
+    "trainer.device=cpu",
+    "trainer.progress_bar=false",
+    f"trainer.max_steps={STEPS}",
+    "trainer.val_check_interval=0",
+    "trainer.checkpoint_every_n_steps=100",
+    "logger=wandb",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=1",
+]
+
+
+def sweep(slurm, sweep_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python -m runner -m +launcher=slurm ...` as a user starts it, in the background."""
+    env = {**slurm.env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(sweep_dir.with_suffix(".log"), "w")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "+launcher=slurm",
+            *JOB,
+            *overrides,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=sweep_dir.parent,
+    )
+
+
+def finish(proc: subprocess.Popen, sweep_dir: Path, timeout: float = 300) -> str:
+    """The sweep's exit, its output with it."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(
+            f"the sweep did not end in {timeout:.0f} s:\n{sweep_dir.with_suffix('.log').read_text()[-3000:]}"
+        )
+    return sweep_dir.with_suffix(".log").read_text()
+
+
+def slurm_job(slurm, sweep_dir: Path) -> str:
+    """The SLURM id of the sweep's one job: the job submitted from its folder's parent."""
+
+    def submitted():
+        listed = slurm.run("squeue", "-h", "-o", "%i %Z").stdout.split("\n")
+        return [
+            i for i, _, cwd in (x.partition(" ") for x in listed) if cwd == str(sweep_dir.parent)
+        ]
+
+    return wait_until(submitted, 60, "the sweep's job in squeue")[0]
+
+
+def rows(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def job_log(sweep_dir: Path) -> str:
+    """What the sweep's jobs printed, over every attempt (submitit's log files)."""
+    return "".join(p.read_text() for p in sorted((sweep_dir / ".submitit").glob("*/*_log.*")))
+
+
+def nothing_lost(run_dir: Path, steps: int = STEPS) -> list[Path]:
+    """One metrics.jsonl and one W&B run, each with steps 1..`steps` exactly once; the run's
+    W&B files (one per attempt)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
+    files = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    run_ids = {p.name.removeprefix("run-").removesuffix(".wandb") for p in files}
+    assert len(run_ids) == 1, run_ids
+    files = wandb_file.run_files(run_dir, run_ids.pop())
+    sent = [row["step"] for path in files for row in wandb_file.history(path) if "loss" in row]
+    assert sent == list(range(1, steps + 1))
+    return files
+
+
+@pytest.mark.parametrize(
+    "how, command",
+    [
+        ("SIGTERM", ["scontrol", "requeue"]),  # a requeue, as preemption by a higher priority does
+        ("SIGUSR2", ["scancel", "--signal=USR2"]),  # the time-limit signal submitit asks for
+        ("SIGUSR1", ["scancel", "--signal=USR1"]),  # a user's own --signal
+    ],
+)
+def test_a_signalled_job_resumes_where_it_stopped(slurm, tmp_path, how, command):
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(slurm, sweep_dir, "precision=fp32")
+    job, run_dir = slurm_job(slurm, sweep_dir), sweep_dir / "0"
+    wait_until(lambda: rows(run_dir) >= 20, 120, "the job trains")
+    slurm.run(*command, job)
+    out = finish(proc, sweep_dir)
+    assert proc.returncode == 0, out[-3000:]
+    log = job_log(sweep_dir)
+    stopped = re.findall(rf"preempted by {how} at step (\d+)", log)
+    resumed = re.findall(r"resumed from [\s\S]*? at step (\d+)", log)  # wrapped lines
+    assert stopped and resumed == stopped[:1], log[-3000:]
+    assert 20 <= int(stopped[0]) < STEPS
+    assert len(nothing_lost(run_dir)) == 2  # two attempts, one W&B run
+
+
+def job_process(job: str) -> int:
+    """The pid of the Python process training SLURM job `job`."""
+
+    def find():
+        for proc in Path("/proc").iterdir():
+            try:
+                environ = (proc / "environ").read_bytes().split(b"\0")
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if (
+                f"SLURM_JOB_ID={job}".encode() in environ
+                and b"submitit" in cmdline
+                and b"python" in cmdline
+            ):
+                return int(proc.name)
+        return None
+
+    return wait_until(find, 30, f"the process of job {job}")
+
+
+def test_a_killed_job_resumes_from_its_last_checkpoint_when_the_sweep_is_rerun(slurm, tmp_path):
+    """SIGKILL, as a node failure leaves it: no time to checkpoint. The sweep says the job did not
+    finish; the same command again resumes it from its last checkpoint, and what the killed
+    attempt sent W&B after that checkpoint is not sent twice."""
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(slurm, sweep_dir, "precision=fp32")
+    job, run_dir = slurm_job(slurm, sweep_dir), sweep_dir / "0"
+    wait_until(lambda: rows(run_dir) >= 130, 180, "the job trains past its first checkpoint")
+    os.kill(job_process(job), signal.SIGKILL)
+    out = finish(proc, sweep_dir)
+    assert proc.returncode != 0, out[-3000:]
+    proc = sweep(slurm, sweep_dir, "precision=fp32")
+    out = finish(proc, sweep_dir)
+    assert proc.returncode == 0, out[-3000:]
+    assert (sweep_dir / "compare.md").exists()
+    assert len(nothing_lost(run_dir)) == 2
+
+
+def test_a_run_longer_than_its_time_limit_finishes_across_requeues(slurm, tmp_path):
+    """A real time limit (1 minute) with submitit's signal 30 s before it: each attempt
+    checkpoints at the signal and is requeued; the run finishes with nothing lost."""
+    steps = 1200
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(
+        slurm,
+        sweep_dir,
+        "precision=fp32",
+        f"trainer.max_steps={steps}",
+        "hydra.launcher.timeout_min=1",
+        "hydra.launcher.signal_delay_s=30",
+        "hydra.launcher.max_num_timeout=6",
+    )
+    out = finish(proc, sweep_dir, timeout=480)
+    assert proc.returncode == 0, out[-3000:]
+    log = job_log(sweep_dir)
+    stopped = re.findall(r"preempted by SIGUSR2 at step (\d+)", log)
+    resumed = re.findall(r"resumed from [\s\S]*? at step (\d+)", log)  # wrapped lines
+    assert stopped and resumed == stopped, log[-3000:]
+    assert len(nothing_lost(sweep_dir / "0", steps)) == len(stopped) + 1
