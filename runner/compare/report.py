@@ -177,6 +177,7 @@ def _short_cell(group: Group, key: str, fmt: str) -> str:
 
 def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     out = Console()  # the terminal's width (80 columns where stdout is not a terminal)
@@ -191,14 +192,17 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
     for name, _, _ in columns:
         shown.add_column(name, justify="left" if name == "precision" else "right", no_wrap=True)
     shown.add_column("verdict", ratio=1, overflow="fold")
+    # Labels, verdicts and notes are text, never markup: a failed job's error may hold brackets
+    # ("[/pytorch/third_party/gloo/...] Read error"), which rich would read as a closing tag.
     for g in groups:
-        shown.add_row(*(_short_cell(g, k, f) for _, k, f in columns), in_short(g.verdict))
+        cells = (*(_short_cell(g, k, f) for _, k, f in columns), in_short(g.verdict))
+        shown.add_row(*map(escape, cells))
     out.print(shown)
     for g in groups:
-        out.print(f"{g.label}: {g.verdict}", highlight=False, soft_wrap=True)
+        out.print(f"{g.label}: {g.verdict}", highlight=False, soft_wrap=True, markup=False)
     deployed.show(groups)
     for note in _notes(groups):
-        out.print(f"note: {note}", highlight=False, soft_wrap=True)
+        out.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
     out.print(
         f"written: {', '.join(str(p) for p in paths.values())}", highlight=False, soft_wrap=True
     )

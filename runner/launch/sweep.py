@@ -90,8 +90,8 @@ def _jobs(launcher, job_overrides: list[list[str]], first: int) -> list[SweepJob
         config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
         with open_dict(config.hydra.job):
             config.hydra.job.num = num
-        shown = [o for o in overrides if o in varying] or overrides
-        jobs.append(SweepJob(num, overrides, config, _folder(config), f"#{num} {' '.join(shown)}"))
+        label = " ".join([f"#{num}", *(o for o in overrides if o in varying)])
+        jobs.append(SweepJob(num, overrides, config, _folder(config), label))
     return jobs
 
 
