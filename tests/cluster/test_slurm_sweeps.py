@@ -210,10 +210,11 @@ def test_a_ddp_job_whose_rank_is_killed_fails_and_resumes_when_rerun(slurm, tmp_
         "hydra.launcher.cpus_per_task=1",
         *ddp,
         *LONG,
+        "trainer.max_steps=600",  # a DDP step takes about 20 ms here (gloo, two shared CPUs)
         launcher="+launcher=slurm_ddp",
     )
     proc = start(slurm, args, log)
-    wait_until(lambda: rows(sweep_dir / "0") >= 250, 120, "the job trains past a checkpoint")
+    wait_until(lambda: rows(sweep_dir / "0") >= 150, 120, "the job trains past a checkpoint")
     job = submissions(log.read_text())[0]
     os.kill(wait_until(lambda: rank_process(job, 1), 30, "rank 1's process"), signal.SIGKILL)
     out = finish(proc, log)
@@ -227,7 +228,7 @@ def test_a_ddp_job_whose_rank_is_killed_fails_and_resumes_when_rerun(slurm, tmp_
     assert proc.returncode == 0, out[-3000:]
     new = submissions(out)[0]
     resumed = resumed_at(sweep_dir, new)
-    assert len(resumed) == 1 and resumed[0] >= 200, resumed  # its last checkpoint
+    assert len(resumed) == 1 and resumed[0] >= 100, resumed  # its last checkpoint
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
-    assert read_metrics(sweep_dir / "0")[-1]["step"] == 3000
+    assert read_metrics(sweep_dir / "0")[-1]["step"] == 600
