@@ -11,9 +11,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from runner import wandb_file
 from tests.helpers import read_metrics
@@ -23,6 +26,7 @@ from .conftest import wait_until
 pytestmark = pytest.mark.cluster
 
 STEPS = 400
+REPO = Path(__file__).resolve().parents[2]
 JOB = [
     "model=mlp",
     "trainer.device=cpu",
@@ -40,6 +44,7 @@ JOB = [
 def sweep(slurm, sweep_dir: Path, *overrides: str) -> subprocess.Popen:
     """`python -m runner -m +launcher=slurm ...` as a user starts it, in the background."""
     env = {**slurm.env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = str(REPO)  # a job imports this file's SlowNet
     log = open(sweep_dir.with_suffix(".log"), "w")
     return subprocess.Popen(
         [
@@ -171,16 +176,31 @@ def test_a_killed_job_resumes_from_its_last_checkpoint_when_the_sweep_is_rerun(s
     assert len(nothing_lost(run_dir)) == 2
 
 
+class SlowNet(nn.Linear):
+    """The blobs' classifier, 50 ms a forward whatever the CPU: a run as long as the test needs."""
+
+    def __init__(self):
+        super().__init__(32, 8)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return super().forward(features)
+
+
 def test_a_run_longer_than_its_time_limit_finishes_across_requeues(slurm, tmp_path):
-    """A real time limit (1 minute) with submitit's signal 30 s before it: each attempt
-    checkpoints at the signal and is requeued; the run finishes with nothing lost."""
-    steps = 1200
+    """A real time limit (1 minute) with submitit's signal 30 s before it, on a run of about 25 s
+    of steps: each attempt checkpoints at the signal and is requeued; the run finishes with
+    nothing lost."""
+    steps = 350
     sweep_dir = tmp_path / "sweep"
     proc = sweep(
         slurm,
         sweep_dir,
         "precision=fp32",
         f"trainer.max_steps={steps}",
+        "model=module",
+        "model.net._target_=tests.cluster.test_preemption.SlowNet",
+        "dataset=blobs",
         "hydra.launcher.timeout_min=1",
         "hydra.launcher.signal_delay_s=30",
         "hydra.launcher.max_num_timeout=6",
