@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -47,6 +48,15 @@ def job(cfg: DictConfig) -> float | None:
         return None
 
 
+def absolute_sweep_dir(arg: str) -> str:
+    """`hydra.sweep.dir=` made absolute: the jobs may run in another working folder (a Ray
+    worker's), and must write where this process reads the sweep back."""
+    key, _, value = arg.partition("=")
+    if key != "hydra.sweep.dir" or "${" in value or Path(value).is_absolute():
+        return arg
+    return f"{key}={Path(value).absolute()}"
+
+
 def main() -> None:
     args = sys.argv[1:]
     console.quiet_torchao()  # checking the command line imports the tasks, and so torchao
@@ -58,7 +68,10 @@ def main() -> None:
             # own config (Hydra sets env_set in the process that runs the job, a SLURM node or a
             # Ray worker too), not in this process's environment.
             keys = ",".join(sweep_keys(args))
-            args = sys.argv[1:] = [*args, f"++hydra.job.env_set.{SWEEP_KEYS_ENV}='{keys}'"]
+            args = sys.argv[1:] = [
+                *map(absolute_sweep_dir, args),
+                f"++hydra.job.env_set.{SWEEP_KEYS_ENV}='{keys}'",
+            ]
         from runner.train import distributed  # imports torch: after the quick checks
 
         ranks = distributed.init()  # under torchrun; one process: nothing to do
