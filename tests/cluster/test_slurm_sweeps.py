@@ -129,14 +129,25 @@ def test_a_request_the_partition_cannot_meet_is_refused_before_submission(
     name = f"refused-{uuid.uuid4().hex[:8]}"
     sweep_dir = tmp_path / "sweep"
     args = command(sweep_dir, "precision=fp32,bf16", f"hydra.launcher.name={name}", *asked)
-    proc = cli(*args, cwd=tmp_path, env=environment(slurm))
+    try:  # submitted, such a sweep would wait for ever: a minute says it was not refused
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner", *args],
+            env=environment(slurm),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"not refused: the sweep was still waiting after 60 s:\n{e.stderr}")
+    finally:
+        slurm.run("scancel", "-n", name, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = proc.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith(f"error: {named}"), line
     assert not (sweep_dir / ".submitit").exists()
-    assert slurm.run("squeue", "-h", "-n", name).stdout.strip() == ""
     listed = slurm.run("sacct", "-n", "-X", "-S", "now-10minutes", "--name", name, "-o", "JobID")
-    assert listed.stdout.strip() == ""
+    assert listed.stdout.strip() == ""  # nothing submitted: not in accounting either
 
 
 def test_a_cancelled_job_is_named_and_the_same_command_completes_the_sweep(slurm, tmp_path):
@@ -166,14 +177,17 @@ def test_a_cancelled_job_is_named_and_the_same_command_completes_the_sweep(slurm
     assert listed.stdout.split() == [new]
     steps = [r["step"] for r in read_metrics(sweep_dir / "1")]
     assert steps[-1] == 3000 and steps == sorted(set(steps))
-    resumed = resumed_at(sweep_dir, new)
+    resumed = resumed_at(job_log(sweep_dir, new))
     assert len(resumed) == 1 and resumed[0] >= 50, resumed  # where it was cancelled
 
 
-def resumed_at(sweep_dir: Path, job: str) -> list[int]:
-    """The steps SLURM job `job` said it resumed at, in its submitit logs (the console wraps a
-    long line: the lines are joined)."""
-    log = "".join(p.read_text() for p in sorted((sweep_dir / ".submitit" / job).glob("*_log.*")))
+def job_log(sweep_dir: Path, job: str) -> str:
+    """What SLURM job `job` printed, every task (submitit's log files)."""
+    return "".join(p.read_text() for p in sorted((sweep_dir / ".submitit" / job).glob("*_log.*")))
+
+
+def resumed_at(log: str) -> list[int]:
+    """The steps a job's log says it resumed at (the console wraps a long line: joined)."""
     return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)", log.replace("\n", ""))]
 
 
@@ -221,13 +235,21 @@ def test_a_ddp_job_whose_rank_is_killed_fails_and_resumes_when_rerun(slurm, tmp_
     assert proc.returncode == 1, out[-3000:]
     wait_until(lambda: slurm.state(job) == "FAILED", 30, f"job {job} FAILED in sacct")
     assert f"#0: SLURM job {job} FAILED" in out  # a sweep of one job: nothing varies
+    # The comparison names it too, whatever the failed rank's error holds (gloo's "[/pytorch/..."
+    # is no markup to the printed table).
+    assert "error: 1 of 1 jobs did not complete" in out and "MarkupError" not in out, out[-3000:]
+    # Rank 0 met the dead peer as a gloo error: it failed its task too, and no task of the job
+    # "completed successfully" (submitit's word for a task that returned).
+    killed = job_log(sweep_dir, job)
+    assert "error: job 0 failed:" in killed, killed[-3000:]
+    assert "task 0: Exited with exit code 1" in killed and "completed successfully" not in killed
     assert statuses(sweep_dir) == {"fp32": "failed"}
 
     proc = start(slurm, args, log)
     out = finish(proc, log)
     assert proc.returncode == 0, out[-3000:]
     new = submissions(out)[0]
-    resumed = resumed_at(sweep_dir, new)
+    resumed = resumed_at(job_log(sweep_dir, new))
     assert len(resumed) == 1 and resumed[0] >= 100, resumed  # its last checkpoint
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
