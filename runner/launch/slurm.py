@@ -68,10 +68,13 @@ def partition_nodes(partition: str | None) -> tuple[str, list[Node]]:
         nodes.setdefault(name, []).append(Node(node, int(cpus.rstrip("+")), memory_mb, _gpus(gres)))
     name = partition or default
     if name not in nodes:
-        given = f"hydra.launcher.partition={partition}" if partition else "no partition given"
+        asked = (
+            f"hydra.launcher.partition={partition} is not a partition of this cluster"
+            if partition
+            else "hydra.launcher.partition is not set and this cluster has no default partition"
+        )
         raise UserError(
-            f"{given}, and this cluster has {'no default partition' if partition is None else 'no such partition'}: "
-            f"set hydra.launcher.partition to one of {', '.join(sorted(nodes)) or '(none)'}"
+            f"{asked}: set it to one of {', '.join(sorted(nodes)) or '(none: sinfo lists none)'}"
         )
     return name, nodes[name]
 

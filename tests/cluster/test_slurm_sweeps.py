@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,21 @@ LONG = [
 ]
 
 
-def command(sweep_dir: Path, *overrides: str, launcher: str = "+launcher=slurm") -> list[str]:
+@pytest.fixture
+def name(slurm) -> Iterator[str]:
+    """The sweep's SLURM job name, its own: what a failed test leaves queued is cancelled."""
+    name = f"amp-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    slurm.run("scancel", "-n", name, check=False)
+
+
+def command(
+    sweep_dir: Path, name: str, *overrides: str, launcher: str = "+launcher=slurm"
+) -> list[str]:
     return [
         "-m",
         launcher,
+        f"hydra.launcher.name={name}",
         "model=mlp",
         "trainer.progress_bar=false",
         "hydra.launcher.gpus_per_node=0",  # the partition has no GPU: refused otherwise
@@ -86,12 +98,12 @@ def statuses(sweep_dir: Path) -> dict[str, str]:
     return {r["label"]: r["status"] for r in report}
 
 
-def test_a_sweep_with_the_launchers_defaults_trains_and_says_why_a_job_waits(slurm, tmp_path):
+def test_a_sweep_with_the_launchers_defaults_trains_and_says_why_a_job_waits(slurm, tmp_path, name):
     """trainer.device and cpus_per_task/mem_gb at slurm.yaml's defaults (auto, 2 CPUs, 8 GB):
     submitted from here (no GPU), each job takes the node's 2 CPUs, so the second waits for the
     first, and the sweep says so (SLURM's reason) instead of waiting without a word."""
     sweep_dir = tmp_path / "sweep"
-    args = command(sweep_dir, "precision=fp32,bf16", "trainer.max_steps=30")
+    args = command(sweep_dir, name, "precision=fp32,bf16", "trainer.max_steps=30")
     proc = cli(*args, cwd=tmp_path, env=environment(slurm))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -124,11 +136,10 @@ def test_a_sweep_with_the_launchers_defaults_trains_and_says_why_a_job_waits(slu
     ids=["cpus", "memory", "gpus"],
 )
 def test_a_request_the_partition_cannot_meet_is_refused_before_submission(
-    slurm, tmp_path, asked, named
+    slurm, tmp_path, name, asked, named
 ):
-    name = f"refused-{uuid.uuid4().hex[:8]}"
     sweep_dir = tmp_path / "sweep"
-    args = command(sweep_dir, "precision=fp32,bf16", f"hydra.launcher.name={name}", *asked)
+    args = command(sweep_dir, name, "precision=fp32,bf16", *asked)
     try:  # submitted, such a sweep would wait for ever: a minute says it was not refused
         proc = subprocess.run(
             [sys.executable, "-m", "runner", *args],
@@ -140,8 +151,6 @@ def test_a_request_the_partition_cannot_meet_is_refused_before_submission(
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"not refused: the sweep was still waiting after 60 s:\n{e.stderr}")
-    finally:
-        slurm.run("scancel", "-n", name, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = proc.stderr.strip().splitlines()  # one line, no traceback
     assert line.startswith(f"error: {named}"), line
@@ -150,9 +159,9 @@ def test_a_request_the_partition_cannot_meet_is_refused_before_submission(
     assert listed.stdout.strip() == ""  # nothing submitted: not in accounting either
 
 
-def test_a_cancelled_job_is_named_and_the_same_command_completes_the_sweep(slurm, tmp_path):
+def test_a_cancelled_job_is_named_and_the_same_command_completes_the_sweep(slurm, tmp_path, name):
     sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
-    args = command(sweep_dir, "precision=fp32,bf16", *SMALL, *LONG)
+    args = command(sweep_dir, name, "precision=fp32,bf16", *SMALL, *LONG)
     proc = start(slurm, args, log)
     wait_until(lambda: rows(sweep_dir / "1") >= 50, 120, "job 1 trains")
     job = submissions(log.read_text())[1]
@@ -179,6 +188,29 @@ def test_a_cancelled_job_is_named_and_the_same_command_completes_the_sweep(slurm
     assert steps[-1] == 3000 and steps == sorted(set(steps))
     resumed = resumed_at(job_log(sweep_dir, new))
     assert len(resumed) == 1 and resumed[0] >= 50, resumed  # where it was cancelled
+
+
+def test_without_accounting_the_sweep_says_so_and_still_ends(slurm, tmp_path, name):
+    """sacct cannot reach slurmdbd (this client's slurm.conf names a port where none listens;
+    the controller, sbatch and squeue are the real ones): one warning line before submission,
+    and a cancelled job is reported with the state the queue last showed, instead of a sweep
+    that waits for ever on accounting."""
+    conf = tmp_path / "slurm.conf"
+    real = Path(slurm.env["SLURM_CONF"]).read_text()
+    conf.write_text(re.sub(r"(?m)^AccountingStoragePort=.*$", "AccountingStoragePort=9", real))
+    broken = type(slurm)(env={**slurm.env, "SLURM_CONF": str(conf)}, partition=slurm.partition)
+    assert broken.run("sacct", "-n", "-X", check=False).returncode != 0
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    proc = start(broken, command(sweep_dir, name, "precision=fp32", *SMALL, *LONG), log)
+    wait_until(lambda: rows(sweep_dir / "0") >= 50, 120, "the job trains")
+    out = log.read_text()
+    assert out.startswith("warning: SLURM accounting does not answer (sacct failed: "), out
+    job = submissions(out)[0]
+    slurm.run("scancel", job)
+    out = finish(proc, log, timeout=90)
+    assert proc.returncode == 1, out[-3000:]
+    assert f"#0: SLURM job {job} CANCELLED" in out
+    assert statuses(sweep_dir) == {"fp32": "preempted"}
 
 
 def job_log(sweep_dir: Path, job: str) -> str:
@@ -213,13 +245,14 @@ def rank_process(job: str, rank: int) -> int | None:
     return None
 
 
-def test_a_ddp_job_whose_rank_is_killed_fails_and_resumes_when_rerun(slurm, tmp_path):
+def test_a_ddp_job_whose_rank_is_killed_fails_and_resumes_when_rerun(slurm, tmp_path, name):
     """+launcher=slurm_ddp, 2 tasks on gloo: SIGKILL to rank 1 mid-run fails the job (FAILED in
     accounting, named by the sweep), and the same command resumes it from its last checkpoint."""
     sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
     ddp = ["hydra.launcher.tasks_per_node=2", "hydra.launcher.mem_gb=2", "trainer.device=cpu"]
     args = command(
         sweep_dir,
+        name,
         "precision=fp32",
         "hydra.launcher.cpus_per_task=1",
         *ddp,
