@@ -113,9 +113,10 @@ def _resume_point(cfg: DictConfig, out: Path) -> tuple | None:
     leave nothing in its place."""
     record = out / "metrics.jsonl"
     if not cfg.trainer.resume and record.exists() and record.stat().st_size:
-        if _in_sweep() and finished_summary(out, cfg.trainer.max_steps):
-            # A sweep run again in its folder, to complete it: this job had completed, so it is
-            # read back (by `_finished`, refused there if the command changed what it ran).
+        if _in_sweep():
+            # A sweep run again in its folder (the same hydra.sweep.dir), to complete it: a job
+            # that had completed is read back (`_finished`, which refuses a changed command),
+            # one that had stopped continues from its last checkpoint.
             return checkpoint.find_resume("auto", out)
         raise UserError(
             f"{out} holds an earlier run's metrics.jsonl: continue it with trainer.resume=auto, "

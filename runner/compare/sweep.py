@@ -226,7 +226,7 @@ class CompareCallback(Callback):
             print(f"error: {e}", file=sys.stderr)
         else:
             named = any(o.startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra)
-            incomplete.report(jobs, str(sweep), config.trainer.get("resume"), named)
+            incomplete.report(jobs, str(sweep), named)
 
 
 def main(argv: list[str] | None = None) -> None:
