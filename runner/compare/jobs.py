@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from runner.errors import UserError
 from runner.tracking import flat_config
 
-# Beside a job's run, what the launcher knows of it (runner/launch/sweep.py): its SLURM job id and
-# state, which say why a run that did not complete stopped (CANCELLED, TIMEOUT, ...).
-LAUNCHER_RECORD = "slurm.json"
+# Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
+# or SLURM's CANCELLED, TIMEOUT, ...) and why, which say why a run that did not complete stopped.
+LAUNCHER_RECORD = "launcher.json"
 
 # Keys that say how a job was run, not what it ran: left out of its identity.
 BOOKKEEPING = (
@@ -119,7 +119,7 @@ def _read_job(folder: Path) -> Job:
     if summary.get("status") != "completed" and record_file.exists():
         record = json.loads(record_file.read_text())
         if record.get("state") not in (None, "COMPLETED"):
-            why = f"SLURM job {record.get('job_id')} {record['state']}"
+            why = record.get("why") or record["state"]
             said = summary.get("error") or summary.get("status")
             summary = summary | {"error": f"{why} ({said})" if said else why}
     rows = []

@@ -3,57 +3,23 @@ hydra_plugins/amp_runner_launcher): the request checked against the partition be
 submitted; a job that completed in this sweep folder before (its summary.json, at its
 max_steps) read back, not submitted again; while the sweep waits, a pending job's reason from the
 queue; and each job that ends without a result (cancelled, failed, timed out, lost) returned as
-a failed job with SLURM's state, written beside its run (slurm.json), so that the comparison at
+a failed job with SLURM's state, written beside its run (launcher.json), so that the comparison at
 the end names it and the command fails. Hydra's own launcher waits on the first job that fails
 and raises, and the comparison never runs."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf
 
-from runner.compare.jobs import LAUNCHER_RECORD
 from runner.errors import UserError, fail, first_line
 from runner.launch import slurm
-from runner.tracking import finished_summary
+from runner.launch.jobs import SweepJob, read_back, record, say, sweep_jobs, unfinished
 
 POLL_S = 3.0  # how often the queue is asked while the sweep waits
-
-
-@dataclass
-class Unfinished(JobReturn):
-    """A job that ended without its result: FAILED, with why. Its value reads as None, not as
-    the exception: Hydra's sweeper reads every job's value, and an exception there would end the
-    sweep before its comparison, which names this job."""
-
-    why: str = ""
-
-    @property
-    def return_value(self) -> None:
-        return None
-
-
-@dataclass
-class SweepJob:
-    num: int
-    overrides: list[str]
-    config: DictConfig
-    folder: Path | None  # None where only the node knows it (a subdir with ${hydra.job.id})
-    label: str
-    submitted: Any = None  # submitit's Job
-    state: str = ""
-    reason: str = ""
-
-
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
@@ -70,8 +36,8 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
             f"warning: SLURM accounting does not answer ({no_accounting}): a job that ends "
             "without a result is reported with the last state the queue showed"
         )
-    jobs = _jobs(launcher, [list(o) for o in job_overrides], initial_job_idx)
-    returns = {j.num: done for j in jobs if (done := _read_back(j)) is not None}
+    jobs = sweep_jobs(launcher, [list(o) for o in job_overrides], initial_job_idx)
+    returns = {j.num: done for j in jobs if (done := read_back(j)) is not None}
     todo = [j for j in jobs if j.num not in returns]
     if todo:
         _submit(launcher, todo)
@@ -79,50 +45,6 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         _final_states([j for j in todo if not _has_result(j)])
         returns |= {j.num: _outcome(j) for j in todo}
     return [returns[j.num] for j in jobs]
-
-
-def _jobs(launcher, job_overrides: list[list[str]], first: int) -> list[SweepJob]:
-    """Each job with its composed config and folder, labelled by what varies between them."""
-    varying = [o for o in {o for job in job_overrides for o in job} if len(job_overrides) > 1]
-    varying = [o for o in varying if not all(o in job for job in job_overrides)]
-    jobs = []
-    for num, overrides in enumerate(job_overrides, start=first):
-        config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
-        with open_dict(config.hydra.job):
-            config.hydra.job.num = num
-        label = " ".join([f"#{num}", *(o for o in overrides if o in varying)])
-        jobs.append(SweepJob(num, overrides, config, _folder(config), label))
-    return jobs
-
-
-def _folder(config: DictConfig) -> Path | None:
-    """The job's folder, as the node will name it; None where it names it by its SLURM job id."""
-    if "hydra.job.id" in str(OmegaConf.to_container(config.hydra.sweep)["subdir"]):
-        return None
-    try:
-        return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
-    except Exception:  # an interpolation only the node resolves
-        return None
-
-
-def _read_back(job: SweepJob) -> JobReturn | None:
-    """The result of a job that completed in this folder before, with these overrides, at its
-    max_steps; None for a job to run."""
-    if job.folder is None or not (job.folder / ".hydra" / "overrides.yaml").exists():
-        return None
-    if list(OmegaConf.load(job.folder / ".hydra" / "overrides.yaml")) != job.overrides:
-        return None
-    summary = finished_summary(job.folder, job.config.trainer.max_steps)
-    if summary is None:
-        return None
-    say(f"{job.label}: completed before ({job.folder}/summary.json): read back, not submitted")
-    return JobReturn(
-        overrides=job.overrides,
-        working_dir=str(job.folder),
-        task_name=job.config.hydra.job.name,
-        status=JobStatus.COMPLETED,
-        _return_value=summary.get("final_loss"),
-    )
 
 
 def _submit(launcher, jobs: list[SweepJob]) -> None:
@@ -221,37 +143,10 @@ def _outcome(job: SweepJob) -> JobReturn:
         try:
             ret = job.submitted.results()[0]
             if ret.status == JobStatus.COMPLETED:
-                job.state = "COMPLETED"
-                _record(job)
+                record(job, "slurm", "COMPLETED", f"SLURM job {job_id} COMPLETED", job_id=job_id)
                 return ret
             why += f": {first_line(ret._return_value)}"
         except Exception as e:
             why += f": {first_line(e)}"
-    say(f"{job.label}: {why}")
-    _record(job)
-    return Unfinished(
-        overrides=job.overrides,
-        working_dir=str(job.folder) if job.folder else None,
-        task_name=job.config.hydra.job.name,
-        status=JobStatus.FAILED,
-        _return_value=RuntimeError(why),
-        why=why,
-    )
-
-
-def _record(job: SweepJob) -> None:
-    """slurm.json beside the run: its SLURM job and state, which the comparison names where the
-    run did not complete. A job that never started gets the .hydra/ record Hydra would have
-    written, so that the comparison can place it."""
-    if job.folder is None:
-        return
-    hydra_dir = job.folder / ".hydra"
-    if not (hydra_dir / "config.yaml").exists():
-        hydra_dir.mkdir(parents=True, exist_ok=True)
-        task = OmegaConf.masked_copy(job.config, [k for k in job.config if k != "hydra"])
-        (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(task))
-        (hydra_dir / "overrides.yaml").write_text(
-            OmegaConf.to_yaml(OmegaConf.create(job.overrides))
-        )
-    record = {"job_id": job.submitted.job_id, "state": job.state}
-    (job.folder / LAUNCHER_RECORD).write_text(json.dumps(record) + "\n")
+    record(job, "slurm", job.state, why, job_id=job_id)
+    return unfinished(job, why)
