@@ -89,16 +89,26 @@ _INSTANTIATE_KEYS = {"_target_", "_recursive_", "_partial_", "_convert_", "_args
 _PASSED = {"model": {"data"}}
 
 
-# Launchers whose jobs run on other machines (a SLURM node, a Ray worker): a job's device is
-# checked there, by the run (here validation checks its name). amp-runner's own SLURM launcher
-# by its module, Ray's launchers by theirs, submitit's SLURM launcher by its class.
-_ELSEWHERE = ("hydra_plugins.hydra_ray_launcher.", "hydra_plugins.amp_runner_launcher.slurm.")
-_ELSEWHERE_CLASSES = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
+# Launchers whose jobs run on other machines (a SLURM node, a Ray worker), and their subclasses
+# (amp-runner's, hydra_plugins/amp_runner_launcher): a job's device is checked there, by the run
+# (validation checks its name here).
+_ELSEWHERE = {
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+    "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher",
+    "hydra_plugins.hydra_ray_launcher.ray_aws_launcher.RayAWSLauncher",
+}
 
 
 def runs_elsewhere(launcher_target: str) -> bool:
     """Whether the launcher named by `hydra.launcher._target_` runs jobs on other machines."""
-    return launcher_target.startswith(_ELSEWHERE) or launcher_target in _ELSEWHERE_CLASSES
+    from hydra._internal.utils import _locate
+
+    try:
+        launcher = _locate(launcher_target)  # imported already: Hydra imports its plugins
+    except Exception:
+        return False
+    names = {f"{c.__module__}.{c.__qualname__}" for c in getattr(launcher, "__mro__", ())}
+    return bool(names & _ELSEWHERE)
 
 
 def check_buildable(cfg, elsewhere: bool = False) -> None:
