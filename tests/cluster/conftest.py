@@ -62,6 +62,16 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, interval:
         time.sleep(interval)
 
 
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    """A sweep started in the background, waited for: its output (in `log`)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the sweep did not end in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    return log.read_text()
+
+
 @pytest.fixture(scope="session")
 def cluster_env() -> dict[str, str]:
     """The variables a client of the cluster needs (CLUSTER_DIR/env)."""

@@ -21,7 +21,7 @@ from torch import nn
 from runner import wandb_file
 from tests.helpers import read_metrics
 
-from .conftest import wait_until
+from .conftest import finish, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -62,18 +62,6 @@ def sweep(slurm, sweep_dir: Path, *overrides: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         cwd=sweep_dir.parent,
     )
-
-
-def finish(proc: subprocess.Popen, sweep_dir: Path, timeout: float = 300) -> str:
-    """The sweep's exit, its output with it."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(
-            f"the sweep did not end in {timeout:.0f} s:\n{sweep_dir.with_suffix('.log').read_text()[-3000:]}"
-        )
-    return sweep_dir.with_suffix(".log").read_text()
 
 
 def slurm_job(slurm, sweep_dir: Path) -> str:
@@ -127,7 +115,7 @@ def test_a_signalled_job_resumes_where_it_stopped(slurm, tmp_path, how, command)
     job, run_dir = slurm_job(slurm, sweep_dir), sweep_dir / "0"
     wait_until(lambda: rows(run_dir) >= 20, 120, "the job trains")
     slurm.run(*command, job)
-    out = finish(proc, sweep_dir)
+    out = finish(proc, sweep_dir.with_suffix(".log"))
     assert proc.returncode == 0, out[-3000:]
     log = job_log(sweep_dir)
     stopped = re.findall(rf"preempted by {how} at step (\d+)", log)
@@ -167,10 +155,10 @@ def test_a_killed_job_resumes_from_its_last_checkpoint_when_the_sweep_is_rerun(s
     job, run_dir = slurm_job(slurm, sweep_dir), sweep_dir / "0"
     wait_until(lambda: rows(run_dir) >= 130, 180, "the job trains past its first checkpoint")
     os.kill(job_process(job), signal.SIGKILL)
-    out = finish(proc, sweep_dir)
+    out = finish(proc, sweep_dir.with_suffix(".log"))
     assert proc.returncode != 0, out[-3000:]
     proc = sweep(slurm, sweep_dir, "precision=fp32")
-    out = finish(proc, sweep_dir)
+    out = finish(proc, sweep_dir.with_suffix(".log"))
     assert proc.returncode == 0, out[-3000:]
     assert (sweep_dir / "compare.md").exists()
     assert len(nothing_lost(run_dir)) == 2
@@ -205,7 +193,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_requeues(slurm, tmp_pa
         "hydra.launcher.signal_delay_s=30",
         "hydra.launcher.max_num_timeout=6",
     )
-    out = finish(proc, sweep_dir, timeout=480)
+    out = finish(proc, sweep_dir.with_suffix(".log"), timeout=480)
     assert proc.returncode == 0, out[-3000:]
     log = job_log(sweep_dir)
     stopped = re.findall(r"preempted by SIGUSR2 at step (\d+)", log)

@@ -18,6 +18,7 @@ from runner import wandb_file
 from .conftest import wait_until
 
 pytestmark = pytest.mark.cluster
+SWEEP = [sys.executable, "-m", "runner", "-m", "+launcher=ray", "model=mlp", "precision=fp32"]
 
 
 def test_a_sweep_attached_to_a_running_head_is_compared_where_the_user_looks(
@@ -27,13 +28,7 @@ def test_a_sweep_attached_to_a_running_head_is_compared_where_the_user_looks(
     env = {**os.environ, **cluster_env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "runner",
-            "-m",
-            "+launcher=ray",
-            "model=mlp",
-            "precision=fp32",
+            *SWEEP,
             "runner.seeds=2",
             "trainer.max_steps=8",
             "trainer.progress_bar=false",
@@ -81,13 +76,7 @@ def test_a_job_ray_loses_is_named_and_the_same_command_completes_the_sweep(
     pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="the `ray` extra is missing")
     env = {**os.environ, **cluster_env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     command = [
-        sys.executable,
-        "-m",
-        "runner",
-        "-m",
-        "+launcher=ray",
-        "model=mlp",
-        "precision=fp32",
+        *SWEEP,
         "seed=0,1",
         "trainer.max_steps=3000",
         "trainer.checkpoint_every_n_steps=50",

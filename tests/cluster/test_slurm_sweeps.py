@@ -20,7 +20,7 @@ import pytest
 
 from tests.helpers import cli, read_metrics
 
-from .conftest import wait_until
+from .conftest import finish, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -69,15 +69,6 @@ def start(slurm, args: list[str], log: Path) -> subprocess.Popen:
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> str:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the sweep did not end in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-    return log.read_text()
 
 
 def submissions(out: str) -> dict[int, str]:
