@@ -165,20 +165,23 @@ def test_a_killed_job_resumes_from_its_last_checkpoint_when_the_sweep_is_rerun(s
 
 
 class SlowNet(nn.Linear):
-    """The blobs' classifier, 50 ms a forward whatever the CPU: a run as long as the test needs."""
+    """The blobs' classifier, slow whatever the CPU: 200 ms a forward in a job's first attempt
+    (350 steps then outlast its 1-minute limit on any machine: it is signalled), 50 ms after a
+    requeue (SLURM_RESTART_COUNT), so the rest ends soon."""
 
     def __init__(self):
         super().__init__(32, 8)
+        self.pause = 0.2 if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0.05
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.05)
+        time.sleep(self.pause)
         return super().forward(features)
 
 
 def test_a_run_longer_than_its_time_limit_finishes_across_requeues(slurm, tmp_path):
-    """A real time limit (1 minute) with submitit's signal 30 s before it, on a run of about 25 s
-    of steps: each attempt checkpoints at the signal and is requeued; the run finishes with
-    nothing lost."""
+    """A real time limit (1 minute) with submitit's signal 30 s before it, on a run whose first
+    attempt cannot finish in it: each attempt checkpoints at the signal and is requeued; the run
+    finishes with nothing lost."""
     steps = 350
     sweep_dir = tmp_path / "sweep"
     proc = sweep(
