@@ -16,7 +16,7 @@ from runner.measure.memory import _parts
 from runner.measure.module_stack import ModuleStack, _tensors
 from runner.measure.truth import short
 from runner.precision import cpu_kernels
-from runner.precision.fp4_mm import FP4_MM
+from runner.precision.fp4_mm import FP4_MM, fp4_mkn
 from runner.precision.fp4_quant import format_of_scale
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "forward", "input_grad", "weight_grad", "recompute"
@@ -126,7 +126,9 @@ class MatmulLog:
             if hasattr(_aten, "_scaled_mm"):  # fp8 on a GPU: (a, b, scale_a, scale_b, ...)
                 gemms[_aten._scaled_mm] = slice(0, 2)
             picked = gemms.get(func._overloadpacket)
-            if picked is not None and len(mats) >= 2:
+            if func._overloadpacket is FP4_MM:  # packed a (M × K/2) @ packed bᵀ (N × K/2)
+                mkn = list(fp4_mkn(operands[0].shape, operands[1].shape))
+            elif picked is not None and len(mats) >= 2:
                 a, b = mats[picked]
                 mkn = [int(a.shape[0]), int(a.shape[1]), int(b.shape[1])]
             entry = self.shapes[sig] = [

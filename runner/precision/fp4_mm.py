@@ -35,9 +35,17 @@ def _fp4_mm_fake(a, a_scales, a_tensor_scale, b, b_scales, b_tensor_scale, roles
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
 
 
+def fp4_mkn(a_shape, b_shape) -> tuple[int, int, int]:
+    """M, K, N of `fp4_mm(a, b)` = a @ bᵀ from its packed operands' shapes (M × K/2 and N × K/2
+    bytes): K counts values, two E2M1 values a byte. The one place the packing is unpacked for
+    the FLOP formula and the precision manifest's GEMM records (runner/measure/matmuls.py)."""
+    return int(a_shape[0]), 2 * int(a_shape[1]), int(b_shape[0])
+
+
 @register_flop_formula(torch.ops.amp_runner.fp4_mm)
 def _fp4_mm_flops(a_shape, _as, _at, b_shape, *_args, out_shape=None, **_kwargs) -> int:
-    return 2 * a_shape[0] * b_shape[0] * a_shape[1] * 2  # two E2M1 values a byte
+    m, k, n = fp4_mkn(a_shape, b_shape)
+    return 2 * m * k * n
 
 
 FP4_MM = torch.ops.amp_runner.fp4_mm
@@ -48,5 +56,6 @@ def _mm(a: Quantized, b: Quantized, roles: str) -> Tensor:
 
 
 __all__ = [
+    "fp4_mkn",
     "fp4_mm",
 ]
