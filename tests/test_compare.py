@@ -166,45 +166,56 @@ def seed_sweep(root: Path, fp32: list[float], bf16: list[float], **bf16_job):
 @pytest.mark.parametrize(
     "fp32, bf16, gap, verdict",
     [
+        # bf16 0.01 above fp32 in every seed: the paired differences agree exactly, so the
+        # interval is the point +0.5%, inside the ±2% tolerance at both ends.
         (
             [2.00, 2.02, 1.98],
             [2.01, 2.03, 1.99],
             0.5,
             "1.50× faster (per-job timing), 1.48× faster to the target (1.01× the steps; 95% CI "
-            "1.48× to 1.49×, 3 seeds), eval loss within seed noise of fp32 (+0.50%, 95% CI "
-            "-1.77% to +2.77%, 3 seeds) — recommended",
+            "1.48× to 1.49×, 3 seeds paired), eval loss equivalent to fp32's within the ±2% "
+            "tolerance (+0.50%, 95% CI +0.50% to +0.50%, paired over 3 seeds) — recommended",
         ),
         (
             [2.00, 2.02, 1.98],
             [2.10, 2.12, 2.08],
             5.0,
-            "worse than fp32 beyond seed noise: eval loss +5.00% (95% CI +2.73% to +7.27%, "
-            "3 seeds) — not recommended",
+            "worse than fp32: eval loss +5.00%, its interval beyond the 2% tolerance (95% CI "
+            "+5.00% to +5.00%, paired over 3 seeds) — not recommended",
         ),
-        # Seeds that agree exactly (std 0): no gap where the means agree; a difference that is
-        # real but inside the 2% tolerance is no reason to refuse a mode.
         (
             [2.0] * 3,
             [2.0] * 3,
             0.0,
             "1.50× faster (per-job timing), 1.50× faster to the target (1.00× the steps; 95% CI "
-            "1.50× to 1.50×, 3 seeds), eval loss within seed noise",
+            "1.50× to 1.50×, 3 seeds paired), eval loss equivalent to fp32's",
         ),
+        # A difference that is real but inside the 2% tolerance is no reason to refuse a mode.
         (
             [2.0] * 3,
             [2.001] * 3,
             500.0,
             "1.50× faster (per-job timing), 1.50× faster to the target (1.00× the steps; 95% CI "
-            "1.50× to 1.50×, 3 seeds), eval loss +0.05% vs fp32, beyond seed noise but "
-            "within the 2% tolerance (95% CI +0.05% to +0.05%, 3 seeds) — recommended",
+            "1.50× to 1.50×, 3 seeds paired), eval loss equivalent to fp32's within the ±2% "
+            "tolerance (+0.05%, 95% CI +0.05% to +0.05%, paired over 3 seeds) — recommended",
         ),
-        # +5% with a spread of 0.1: the interval holds 0, so three seeds cannot tell.
+        # The seeds' spread of 0.1 is shared by both precisions and cancels in the paired
+        # differences: +5% in every seed is worse, though the unpaired means' intervals overlap.
         (
             [2.0, 2.1, 1.9],
             [2.1, 2.2, 2.0],
             1.0,
-            "eval loss +5.00% vs fp32, inside seed noise (95% CI -6.33% to +16.33%, 3 seeds): "
-            "untested — more seeds would tell",
+            "worse than fp32: eval loss +5.00%, its interval beyond the 2% tolerance (95% CI "
+            "+5.00% to +5.00%, paired over 3 seeds) — not recommended",
+        ),
+        # +5% on average, but the differences vary (0.10, 0.05, 0.15): the interval reaches
+        # from below 0 past the tolerance, so three seeds cannot tell.
+        (
+            [2.0, 2.1, 1.9],
+            [2.1, 2.15, 2.05],
+            0.1 / np.sqrt(0.00625),  # the pooled spread: variances 0.01 and 0.0025
+            "eval loss +5.00% vs fp32, its interval reaching past the 2% tolerance (95% CI "
+            "-1.21% to +11.21%, paired over 3 seeds): untested — more seeds would tell",
         ),
     ],
 )
@@ -438,18 +449,23 @@ def test_the_dashboard_draws_memory_by_category_and_the_loss_gap(tmp_path):
     plt.close(fig)
 
 
-def test_a_small_systematic_shift_over_ten_seeds_is_worse_and_the_interval_is_welchs(tmp_path):
-    """10 seeds a side, bf16 1.9 spreads (2.85%) above fp32: under 2 spreads, which an effect
-    size alone would pass, but the 95% interval for the difference excludes 0."""
+def test_a_small_shift_over_ten_seeds_that_do_not_pair_is_tested_by_welchs_interval(tmp_path):
+    """10 seeds a side, bf16's seeds not fp32's (10-19 against 0-9: nothing to pair), 1.9
+    spreads (5.7%) above fp32: under 2 spreads, which an effect size alone would pass, but
+    Welch's 95% interval for the difference lies past the 2% tolerance."""
     z = np.array([-1.5, -1.2, -0.8, -0.4, -0.1, 0.1, 0.4, 0.8, 1.2, 1.5])
-    fp32 = 2.0 + 0.03 * z / z.std(ddof=1)
-    bf16 = fp32 + 1.9 * 0.03
-    _, rows = seed_sweep(tmp_path, list(fp32), list(bf16), speed=150.0, iqr=3.0)
-    row = rows["bf16"]
-    assert row["gap_in_spreads"] == pytest.approx(1.9)
-    assert row["verdict"].startswith("worse than fp32 beyond seed noise: eval loss +2.85%")
-    half = 2.1009 * 0.03 * np.sqrt(2 / 10)  # t(0.975, df=18) · the standard error
-    assert row["loss_gap_ci_low"] == pytest.approx((1.9 * 0.03 - half) / 2.0, rel=1e-3)
+    fp32 = 2.0 + 0.06 * z / z.std(ddof=1)
+    bf16 = fp32 + 1.9 * 0.06
+    for i, loss in enumerate(fp32):
+        fake_job(tmp_path / str(i), "fp32", seed=i, eval_loss=loss)
+        fake_job(tmp_path / str(10 + i), "bf16", seed=10 + i, eval_loss=bf16[i], speed=150.0)
+    compare(tmp_path, wandb_log=False)
+    row = {r["label"]: r for r in json.loads((tmp_path / "compare.json").read_text())}["bf16"]
+    assert row["gap_in_spreads"] == pytest.approx(1.9) and row["loss_gap_test"] == "welch"
+    half = 2.1009 * 0.06 * np.sqrt(2 / 10)  # t(0.975, df=18) · the standard error
+    assert row["loss_gap_ci_low"] == pytest.approx((1.9 * 0.06 - half) / 2.0, rel=1e-3)
+    assert row["verdict"].startswith("worse than fp32: eval loss +5.70%, its interval beyond")
+    assert "Welch, 10 and 10 seeds" in row["verdict"]
 
 
 @pytest.mark.parametrize(

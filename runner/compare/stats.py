@@ -1,14 +1,18 @@
-"""The statistics of a comparison: a typical seed's figure, per-round ratios, and Welch's
-confidence interval for the difference of two means (with Student's t quantile computed here:
-no scipy)."""
+"""The statistics of a comparison: a typical seed's figure, per-round ratios, and the confidence
+intervals the verdicts read: a paired t interval on per-seed differences where the jobs pair by
+seed, Welch's where they do not, and intervals on logarithms that add every source of spread
+measured (seeds, timing rounds) with Welch–Satterthwaite's degrees of freedom. Student's t
+quantile is computed here (no scipy). Each takes its confidence `level`: 95%, or higher for a
+sweep that added seeds until its verdicts were decided (runner/compare/seeds.py)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
 
-CONFIDENCE = 0.95  # of the interval for the difference of mean losses over seeds
+CONFIDENCE = 0.95  # of every interval of a comparison of fixed seeds
 
 
 def as_float(value) -> float:
@@ -56,6 +60,7 @@ def mean_std(values) -> tuple[float, float]:
     return mean, statistics.stdev(values) if len(values) > 1 else math.nan
 
 
+@functools.lru_cache(maxsize=4096)
 def t_quantile(p: float, df: float) -> float:
     """Student's t distribution's quantile at `p` (> 0.5) for `df` degrees of freedom (any real
     df ≥ 1): bisection on its CDF, the density integrated by Simpson's rule."""
@@ -74,23 +79,43 @@ def t_quantile(p: float, df: float) -> float:
     return (low + high) / 2
 
 
-def welch(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """The difference of the means and its CONFIDENCE interval (Welch's t: unequal variances),
-    all relative to |theirs' mean|: (gap, low, high). Seeds that agree exactly give a point."""
+def _half(level: float, se: float, df: float) -> float:
+    """Half the width of a t interval: a point where the spread is exactly zero."""
+    return t_quantile(0.5 + level / 2, df) * se if se else 0.0
+
+
+def welch(ours: list[float], theirs: list[float], level: float = CONFIDENCE) -> tuple:
+    """The difference of the means and its interval (Welch's t: unequal variances), all
+    relative to |theirs' mean|: (gap, low, high). For jobs that do not pair by seed."""
     m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
     v1, v2 = statistics.variance(ours) / len(ours), statistics.variance(theirs) / len(theirs)
-    se = math.sqrt(v1 + v2)
-    if se == 0:
-        half = 0.0
-    else:
-        df = (v1 + v2) ** 2 / (v1**2 / (len(ours) - 1) + v2**2 / (len(theirs) - 1))
-        half = t_quantile(0.5 + CONFIDENCE / 2, df) * se
+    half = _half(
+        level, math.sqrt(v1 + v2), satterthwaite([(v1, len(ours) - 1), (v2, len(theirs) - 1)])
+    )
     scale = abs(m2) or 1.0
     return (m1 - m2) / scale, (m1 - m2 - half) / scale, (m1 - m2 + half) / scale
 
 
-def mean_ci(values) -> tuple[float, float, float]:
-    """The mean over seeds and its CONFIDENCE interval (Student's t, n-1 degrees of freedom):
+def paired(ours: list[float], theirs: list[float], level: float = CONFIDENCE) -> tuple:
+    """The mean of per-seed differences (ours[i] − theirs[i], the same seed: same weights and
+    data order, so the seed's own luck cancels) and its t interval on n − 1 degrees of freedom,
+    all relative to |theirs' mean|: (gap, low, high)."""
+    d = [a - b for a, b in zip(ours, theirs, strict=True)]
+    mean, scale = statistics.fmean(d), abs(statistics.fmean(theirs)) or 1.0
+    half = _half(level, statistics.stdev(d) / math.sqrt(len(d)), len(d) - 1)
+    return mean / scale, (mean - half) / scale, (mean + half) / scale
+
+
+def satterthwaite(parts: list[tuple[float, int]]) -> float:
+    """Welch–Satterthwaite's degrees of freedom of a sum of variance estimates, each
+    (variance, its degrees of freedom); ∞ where the sum is zero."""
+    total = sum(v for v, _ in parts)
+    denominator = sum(v**2 / df for v, df in parts if v)
+    return total**2 / denominator if denominator else math.inf
+
+
+def mean_ci(values, level: float = CONFIDENCE) -> tuple[float, float, float]:
+    """The mean over seeds and its interval (Student's t, n-1 degrees of freedom):
     (mean, low, high); the interval NaN under two values, a point where they agree exactly."""
     values = finite(values)
     if not values:
@@ -98,15 +123,41 @@ def mean_ci(values) -> tuple[float, float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.nan, math.nan
-    se = statistics.stdev(values) / math.sqrt(len(values))
-    half = t_quantile(0.5 + CONFIDENCE / 2, len(values) - 1) * se if se else 0.0
+    half = _half(level, statistics.stdev(values) / math.sqrt(len(values)), len(values) - 1)
     return mean, mean - half, mean + half
 
 
-def ratio_ci(ratios) -> tuple[float, float, float]:
+def spread(logs) -> tuple[float, int]:
+    """The variance of the mean of `logs` and its degrees of freedom: (NaN, 0) under two."""
+    logs = finite(logs)
+    if len(logs) < 2:
+        return math.nan, 0
+    return statistics.variance(logs) / len(logs), len(logs) - 1
+
+
+def log_interval(
+    center: float, parts: list[tuple[float, int]], level: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """exp(center) and its interval on the log scale, whose variance adds every part (the
+    variance of a mean of logarithms and its degrees of freedom: seeds, timing rounds), with
+    Welch–Satterthwaite's degrees of freedom; the interval NaN where a part is unmeasured."""
+    if not math.isfinite(center):
+        return math.nan, math.nan, math.nan
+    if not parts or any(not math.isfinite(v) for v, _ in parts):
+        return math.exp(center), math.nan, math.nan
+    se = math.sqrt(sum(v for v, _ in parts))
+    half = _half(level, se, satterthwaite(parts)) if se else 0.0
+    return math.exp(center), math.exp(center - half), math.exp(center + half)
+
+
+def ratio_ci(ratios, level: float = CONFIDENCE, times: float = 1.0, timing=()) -> tuple:
     """Per-seed ratios (a row's against its baseline's job of the same seed) summed up: their
-    geometric mean and its CONFIDENCE interval, a t interval on their logarithms, so that
-    a/b and b/a are each other's inverses and speed ÷ steps stays one figure."""
+    geometric mean and its interval, a t interval on their logarithms, so that a/b and b/a are
+    each other's inverses and speed ÷ steps stays one figure. `times`: a factor measured apart
+    (the interleaved timing's step speedup), the logarithms of whose rounds (`timing`) the
+    interval carries too: the variances of the two means add."""
     logs = [math.log(r) for r in finite(ratios) if r > 0]
-    mean, low, high = mean_ci(logs)
-    return tuple(math.exp(v) if math.isfinite(v) else math.nan for v in (mean, low, high))
+    if not logs or not times > 0:
+        return math.nan, math.nan, math.nan
+    parts = [spread(logs)] + ([spread(timing)] if len(timing) else [])
+    return log_interval(statistics.fmean(logs) + math.log(times), parts, level)

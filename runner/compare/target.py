@@ -25,16 +25,21 @@ order): `steps_to_target_ratio` (the row's steps over the baseline's: convergenc
 a faster step cannot buy back) and `time_to_target_speedup`, the step speedup over that ratio
 (the speedup column's: the median of the interleaved rounds' ratios, so drift between rounds
 cancels, else the job's own against its twin's), so that x× the step speed at r× the steps is
-x/r× as fast to the target; each the geometric mean over seeds with its 95% interval.
+x/r× as fast to the target; each the geometric mean over seeds with its interval on the
+logarithms. Every interval carries every spread measured: where the step time comes from the
+interleaved rounds, the variance of its logarithm over the rounds adds to the seeds' (Welch–
+Satterthwaite's degrees of freedom), so a constant step time cannot make an interval narrower
+than the timing allows.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 from runner.compare.crossing import TargetSpec, _job_time, choose, clock, evaluations, reach, smooth
-from runner.compare.stats import as_float, mean_ci, ratio_ci
+from runner.compare.stats import CONFIDENCE, as_float, log_interval, mean_ci, ratio_ci, spread
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
@@ -81,7 +86,7 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
             f[f"{key}_ci_low"] = f[f"{key}_ci_high"] = math.nan
         f["steps_to_target_ratio_ci_low"] = f["steps_to_target_ratio_ci_high"] = math.nan
         f |= {"target_status": "no target", "time_source": None, "evals_before_target": None}
-        f |= {"target_seeds_reached": 0, "target_sparse_seed": None}
+        f |= {"target_seeds_reached": 0, "target_sparse_seed": None, "target_missed_seeds": []}
         if not math.isfinite(value):
             for job in g.jobs:
                 job.reach = None
@@ -95,6 +100,7 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
         timed = [r for r in results if r["status"] in ("reached", "too sparse")]
         f["target_status"] = _status(results)
         f["target_seeds_reached"] = len(timed)
+        level = f.get("confidence", CONFIDENCE)
         for key, name in (
             ("step", "steps_to_target"),
             ("samples", "samples_to_target"),
@@ -102,7 +108,9 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
             ("wall_s", "wall_time_to_target_s"),
             ("time_s", "time_to_target_s"),
         ):
-            mean, low, high = mean_ci(r[key] for r in timed) if timed else (math.nan,) * 3
+            mean, low, high = mean_ci((r[key] for r in timed), level)
+            if key == "time_s" and {r["time_source"] for r in timed} == {"interleaved"}:
+                mean, low, high = _timed(mean, [r["step"] for r in timed], _rounds(f), level)
             f[name] = mean
             if f"{name}_ci_low" in f:
                 f[f"{name}_ci_low"], f[f"{name}_ci_high"] = low, high
@@ -113,10 +121,30 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
         sparse = [(j, j.reach) for j in g.counted if j.reach["status"] == "too sparse"]
         if sparse:
             f["target_sparse_seed"] = sparse[0][0].config.get("seed")
+        f["target_missed_seeds"] = [
+            j.config.get("seed") for j in g.counted if j.reach["status"] == "not reached"
+        ]
         missed = [r["closest"] for r in results if r["status"] == "not reached"]
         sign = 1 if spec.lower else -1
         if missed:  # the seed that came closest of those that never reached it
             f["target_closest"] = min(missed, key=lambda v: sign * v)
+
+
+def _rounds(f: dict) -> list[float]:
+    """The logarithms of the row's interleaved rounds' samples/s (none where not timed so)."""
+    rounds = f.get("samples_per_s_rounds") or []
+    return [math.log(x) for x in rounds if x > 0]
+
+
+def _timed(mean_time: float, steps: list[float], rounds: list[float], level: float) -> tuple:
+    """The mean time to target (mean steps × the interleaved step time) and its interval on
+    the log scale, which adds the spread of the steps over seeds and of the step time over the
+    timing rounds."""
+    if len(steps) < 2 or not math.isfinite(mean_time) or mean_time <= 0:
+        return mean_time, math.nan, math.nan
+    relative = statistics.stdev(steps) / math.sqrt(len(steps)) / statistics.fmean(steps)
+    parts = [(relative**2, len(steps) - 1)] + ([spread(rounds)] if rounds else [])
+    return log_interval(math.log(mean_time), parts, level)
 
 
 def pair(groups: list[Group]) -> None:
@@ -137,6 +165,7 @@ def _paired(g: Group) -> None:
             f["time_to_target_speedup"] = f["steps_to_target_ratio"] = 1.0
         return
     twins = {j.config.get("seed"): j for j in base.counted if getattr(j, "reach", None)}
+    interleaved = f.get("speed_source") == "interleaved"
     speedups, ratios = [], []
     for job in g.counted:
         twin = twins.get(job.config.get("seed"))
@@ -145,13 +174,23 @@ def _paired(g: Group) -> None:
         if theirs is None or ours["status"] not in timed or theirs["status"] not in timed:
             continue
         ratio = ours["step"] / theirs["step"] if theirs["step"] else math.nan
-        # the rows' speedup where timed interleaved (per-round ratios: drift cancels), else
-        # this seed's own against its twin's (runner/compare/sweep.py's _job_figures)
-        x = f["speedup"] if f.get("speed_source") == "interleaved" else job.figures["speedup"]
         ratios.append(ratio)
-        speedups.append(x / ratio if ratio else math.nan)
-    for key, values in (("time_to_target_speedup", speedups), ("steps_to_target_ratio", ratios)):
-        f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(values)
+        # per-job timing: this seed's own speedup against its twin's (runner/compare/sweep.py's
+        # _job_figures), whose spread the seeds then carry
+        speedups.append(job.figures["speedup"] / ratio if ratio else math.nan)
+    level = f.get("confidence", CONFIDENCE)
+    f["steps_to_target_ratio"], *ends = ratio_ci(ratios, level)
+    f["steps_to_target_ratio_ci_low"], f["steps_to_target_ratio_ci_high"] = ends
+    key = "time_to_target_speedup"
+    if interleaved:  # the rounds' speedup (drift cancels) over the steps ratio: both spreads
+        ours, theirs = _rounds(f), _rounds(base.figures)
+        timing = [a - b for a, b in zip(ours, theirs, strict=True)] if ours and theirs else []
+        inverse = [1 / r for r in ratios if r]
+        f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(
+            inverse, level, f["speedup"], timing
+        )
+    else:
+        f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(speedups, level)
 
 
 def interval_for(g: Group) -> int:

@@ -38,8 +38,14 @@ import re
 from runner.compare import capacity, projected, target
 from runner.compare.groups import Group, own_figures
 from runner.compare.loss_gap import LOSS_GAP, _gap, _loss_words, _name, _problem, gaps_to_bf16
-from runner.compare.stats import median_ratio
-from runner.compare.target_words import _target_problem, _target_untested, _to_target
+from runner.compare.stats import CONFIDENCE, median_ratio
+from runner.compare.target_words import (
+    _target_problem,
+    _target_untested,
+    _to_target,
+    missed,
+    speed_class,
+)
 
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 # The least share of the baseline's step its FLOPs take at the device's matmul peak
@@ -99,17 +105,14 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         for g in fast
         if untested[g] is None
         and g.figures["time_to_target_speedup"] >= MIN_SPEEDUP
-        and not g.figures["time_to_target_speedup_ci_low"] <= 1
+        and speed_class(g.figures) == "faster"
     ]
     best = max(to_target, key=lambda g: g.figures["time_to_target_speedup"], default=base)
     for g in fit:
         if g is base:
             if base.figures["target_status"] == "not reached":
-                closest = base.figures["target_closest"]
-                g.verdict = (
-                    f"baseline — it never reached the target {base.figures['target']:.4g} "
-                    f"(best {closest:.4g})"
-                    + ("" if best is not base else ": no mode is recommended")
+                g.verdict = f"baseline — {missed(base)}" + (
+                    "" if best is not base else "; no mode is recommended"
                 )
                 continue
             unknown = small or untimed or emulated or any(untested.values())
@@ -150,14 +153,16 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
             head = head.replace(speed, f"{speed} within the speed spread", 1)
         elif not measured:
             tail = untested[g]
-        elif f["time_to_target_speedup"] < 1:
+        elif speed_class(f) == "slower":
             tail = "slower to the target"
+        elif speed_class(f) == "untested":
+            tail = "time to target untested: its interval holds 1, more seeds would tell"
         elif g is best:
             tail = "recommended"
-        elif f["time_to_target_speedup"] >= MIN_SPEEDUP and f["speedup"] >= MIN_SPEEDUP:
-            tail = "faster to the target within seed noise: untested, more seeds would tell"
+        elif g in to_target:
+            tail = f"faster to the target, second to {best.label}"
         else:
-            tail = "no gain" if x < MIN_SPEEDUP else "ok"
+            tail = "no gain" if min(x, f["time_to_target_speedup"]) < MIN_SPEEDUP else "ok"
         g.verdict = f"{head}, {_loss_words(g, tolerance)} — {tail}"
 
 
@@ -166,14 +171,15 @@ def judge(
     tolerance: float,
     timings: dict | None = None,
     spec: target.TargetSpec | None = None,
+    level: float = CONFIDENCE,
 ) -> None:
     """Each group's figures (against its baseline, `g.base`) and verdict; `timings`, by the
     row's key: the speed of the rows timed interleaved (runner/compare/interleave.py); `spec`:
     the target each row is timed to (runner/compare/target.py; default: the baseline's final
-    eval loss within `tolerance`)."""
+    eval loss within `tolerance`); `level`: the confidence of every interval."""
     timings = timings or {}
     for g in groups:
-        g.figures = own_figures(g, timings.get(g.key))
+        g.figures = own_figures(g, timings.get(g.key)) | {"confidence": level}
     target.measure(groups, spec or target.TargetSpec(), tolerance)
     for g in groups:
         base, f = g.base, g.figures
@@ -219,8 +225,8 @@ def judge(
             by = "; ".join(how.get(s, s) for s in sorted(sources)) or "no step time"
             note = (
                 f"target: {target.TargetSpec(metric=f['target_metric'], direction=f['target_direction']).words()} "
-                f"{f['target']:.4f} ({f['target_from']}); time to target = steps to it (the "
-                f"smoothed eval curve, interpolated between evaluations) × {by}"
+                f"{f['target']:.4f} ({f['target_from']}); time to target = steps to it (where a "
+                f"quadratic fitted to the evaluations around it crosses the target) × {by}"
             )
             f["target_note"] = note  # under the table, after the setting's own note
     projected.fill(groups)  # runner.project's estimates, after the verdicts: they recommend none
