@@ -12,7 +12,13 @@ from omegaconf import DictConfig
 
 from runner import console
 from runner.compare import CompareCallback
-from runner.config.commandline import informational, is_multirun, sweep_keys, with_seeds
+from runner.config.commandline import (
+    informational,
+    is_multirun,
+    seed_round,
+    sweep_keys,
+    with_seeds,
+)
 from runner.config.preflight import preflight
 from runner.errors import Preempted, UserError, fail, first_line
 from runner.tracking import SWEEP_KEYS_ENV
@@ -77,9 +83,16 @@ def main() -> None:
         ranks = distributed.init()  # under torchrun; one process: nothing to do
     except UserError as e:
         fail(e)
-    sys.argv += distributed.launch_overrides(ranks, args)
+    launch = distributed.launch_overrides(ranks, args)
+    sys.argv += launch
     try:
         job()
+        # runner.seeds=auto: one more seed for the rows still undecided, until none is
+        while CompareCallback.next_round:
+            seed, keep, sweep_dir = CompareCallback.next_round
+            CompareCallback.next_round = None
+            sys.argv[1:] = [*seed_round(args, seed, keep, sweep_dir), *launch]
+            job()
     finally:
         distributed.close(ranks)
     if CompareCallback.failed_jobs:

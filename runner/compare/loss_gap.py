@@ -146,6 +146,7 @@ def _problem(g: Group, tolerance: float) -> str:
             f"tolerance ({_ci(f)}) — not recommended"
         )
     if kind == "untested":
+        f["undecided"] = "loss gap"  # more seeds would tell (runner/compare/seeds.py)
         return (
             f"{metric} {gap:+.2%} vs {name}, its interval reaching past the {tolerance:.0%} "
             f"tolerance ({_ci(f)}): untested — more seeds would tell"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from runner import console
 from runner.compare import capacity, deployed, finetune, projected, target
 from runner.compare.dashboard import plot
-from runner.compare.stats import known
+from runner.compare.loss_gap import level_words
+from runner.compare.stats import CONFIDENCE, known
 from runner.compare.verdicts import in_short
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ def _cell(group: Group, key: str, fmt: str) -> str:
     if (said := target.cell(group, key)) is not None:  # "not reached", "untested"
         return said
     value = getattr(group, key) if key in ("label", "verdict") else group.figures.get(key)
+    if key == "seeds" and group.figures.get("seeds_stopped"):  # runner.seeds=auto: and why
+        return f"{value}: {group.figures['seeds_stopped']}"
     if key == "plan_held":  # summary.json's plan_held: a run without one did not test it
         return {True: "yes", False: "no"}.get(value, "untested")
     if not known(value):
@@ -64,6 +67,12 @@ def _notes(groups: list[Group]) -> list[str]:
     """The rows' notes, each once (the modes of one setting share theirs)."""
     notes = [g.figures.get(key) for g in groups for key in ("note", "target_note")]
     return list(dict.fromkeys(note for note in notes if note))
+
+
+def _level(groups: list[Group]) -> str:
+    """The confidence of the comparison's intervals, as the column heads say it (95%, or split
+    over the looks of a runner.seeds=auto sweep)."""
+    return level_words(groups[0].figures.get("confidence", CONFIDENCE) if groups else CONFIDENCE)
 
 
 def table(groups: list[Group]) -> list[list[str]]:
@@ -83,7 +92,8 @@ def table(groups: list[Group]) -> list[list[str]]:
         columns.insert(at, CONVERTED)
     at = [name for name, _, _ in columns].index("samples/s IQR") + 1  # time to target after speed
     columns[at:at] = target.columns(groups)
-    return [[name for name, _, _ in columns]] + [
+    level = _level(groups)
+    return [[name.replace("95%", level) for name, _, _ in columns]] + [
         [_cell(g, k, f) for _, k, f in columns] for g in groups
     ]
 
@@ -189,7 +199,9 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
         header_style="bold underline",
     )
     columns = SHOWN + projected.terminal_columns(groups)  # runner.project's, marked an estimate
+    level = _level(groups)
     for name, _, _ in columns:
+        name = name.replace("95%", level)
         shown.add_column(name, justify="left" if name == "precision" else "right", no_wrap=True)
     shown.add_column("verdict", ratio=1, overflow="fold")
     # Labels, verdicts and notes are text, never markup: a failed job's error may hold brackets
@@ -199,7 +211,9 @@ def show(groups: list[Group], sweep_dir: Path, paths: dict[str, Path]) -> None:
         shown.add_row(*map(escape, cells))
     out.print(shown)
     for g in groups:
-        out.print(f"{g.label}: {g.verdict}", highlight=False, soft_wrap=True, markup=False)
+        stopped = g.figures.get("seeds_stopped")  # runner.seeds=auto: the seeds it took, and why
+        seeds = f" ({len(g.jobs)} seeds, {stopped})" if stopped else ""
+        out.print(f"{g.label}{seeds}: {g.verdict}", highlight=False, soft_wrap=True, markup=False)
     deployed.show(groups)
     for note in _notes(groups):
         out.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)

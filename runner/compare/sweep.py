@@ -20,10 +20,11 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.compare import capacity, dashboard, finetune, incomplete, report
+from runner import console
+from runner.compare import capacity, dashboard, finetune, incomplete, report, seeds
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep
-from runner.compare.stats import as_float, quartiles
+from runner.compare.stats import CONFIDENCE, as_float, quartiles
 from runner.compare.target import TargetSpec
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
@@ -142,11 +143,12 @@ def analyse(
     tolerance: float = TOLERANCE,
     timings: dict | None = None,
     spec: TargetSpec | None = None,
+    level: float = CONFIDENCE,
 ) -> list[Group]:
     """Fill each job's figures (against its row's baseline job of the same seed) and health,
     then each row's figures and verdict (runner/compare/verdicts.py: a loss within `tolerance` of the
     baseline's is the same convergence; the speed from `timings` where given, by row identity,
-    see runner/compare/interleave.py)."""
+    see runner/compare/interleave.py; every interval at confidence `level`)."""
     for g in groups:
         for job in g.jobs:
             seed = job.config.get("seed")
@@ -156,7 +158,7 @@ def analyse(
                 if j.config.get("seed") == seed and j.summary.get("status") == "completed"
             )
             _job_figures(job, job if g.base is g else next(twins, None))
-    judge(groups, tolerance, timings, spec)
+    judge(groups, tolerance, timings, spec, level)
     return groups
 
 
@@ -185,10 +187,13 @@ def compare(
     wandb_log: bool = True,
     speed: str | None = None,
     target: dict | None = None,
+    look: bool = False,
 ) -> list[Group]:
     """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
     or interleaved; None: as the sweep's runner.speed says. `target`: compare.target,
-    target_metric, target_direction over the sweep's own (runner/compare/target.py)."""
+    target_metric, target_direction over the sweep's own (runner/compare/target.py). `look`:
+    a look of a runner.seeds=auto sweep, which, where more seeds follow, is written and said in
+    a line a row, not shown or logged (runner/compare/seeds.py)."""
     jobs = load_sweep(sweep_dir)
     settings = _settings(jobs)
     spec = _target(jobs, target)
@@ -198,8 +203,15 @@ def compare(
         from runner.compare.interleave import time_sweep  # torch: only when it times
 
         timings = time_sweep(groups, settings)
-    analyse(groups, tolerance, timings, spec)
+    analyse(groups, tolerance, timings, spec, seeds.level(settings))
+    seeds.stopped(groups, settings)
     paths = report.write(groups, sweep_dir)
+    if look and any(g.figures.get("more_seeds") for g in groups):
+        for g in groups:
+            console.say(
+                f"seeds=auto: {g.label} ({len(g.jobs)} seeds): {g.figures['seeds_stopped']}"
+            )
+        return groups
     report.show(groups, sweep_dir, paths)
     if wandb_log:
         report.log_to_wandb(groups, sweep_dir, paths)
@@ -210,6 +222,7 @@ class CompareCallback(Callback):
     """Runs the comparison when a multirun ends; a failed job makes the command exit non-zero."""
 
     failed_jobs = 0
+    next_round: tuple | None = None  # runner.seeds=auto: (seed, values kept, the sweep folder)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from runner.train.distributed import from_env
@@ -221,66 +234,13 @@ class CompareCallback(Callback):
             jobs = load_sweep(sweep)
             CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
             given = OmegaConf.to_container(config.compare) if config.get("compare") else None
-            compare(sweep, speed=config.runner.speed, target=given)
+            groups = compare(sweep, speed=config.runner.speed, target=given, look=True)
+            following = seeds.next_round(groups)
+            CompareCallback.next_round = following and (*following, str(sweep.absolute()))
+            if following:
+                return
         except UserError as e:  # the failed jobs still fail the command
             print(f"error: {e}", file=sys.stderr)
         else:
             named = any(o.startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra)
             incomplete.report(jobs, str(sweep), named)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m runner.compare", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("sweep_dir", type=Path)
-    parser.add_argument(
-        "--tolerance", type=float, default=TOLERANCE, help="loss gap vs fp32 still counted as equal"
-    )
-    parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
-    parser.add_argument(
-        "--speed",
-        choices=("jobs", "interleaved"),
-        help="each job's own speed, or the precisions timed again side by side in this process "
-        "(default: as the sweep's runner.speed says)",
-    )
-    parser.add_argument(
-        "--target",
-        type=float,
-        help="the value of --target-metric each row is timed to (default: the sweep's "
-        "compare.target, else the baseline's final eval loss +tolerance)",
-    )
-    parser.add_argument(
-        "--target-metric", help="the evaluation metric of the target (default: eval_loss)"
-    )
-    parser.add_argument(
-        "--target-direction",
-        choices=("lower", "higher"),
-        help="which way is better (default: lower for a loss or error, higher for the rest)",
-    )
-    args = parser.parse_args(argv)
-    if args.target_metric is not None and not args.target_metric.startswith("eval_"):
-        print("error: --target-metric: an evaluation metric (eval_loss, ...)", file=sys.stderr)
-        sys.exit(2)
-    given = {
-        "target": args.target,
-        "target_metric": args.target_metric,
-        "target_direction": args.target_direction,
-    }
-    try:
-        compare(
-            args.sweep_dir,
-            args.tolerance,
-            wandb_log=not args.no_wandb,
-            speed=args.speed,
-            target=given,
-        )
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -156,6 +156,7 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         elif speed_class(f) == "slower":
             tail = "slower to the target"
         elif speed_class(f) == "untested":
+            f["undecided"] = "time to target"  # more seeds would tell (runner/compare/seeds.py)
             tail = "time to target untested: its interval holds 1, more seeds would tell"
         elif g is best:
             tail = "recommended"
@@ -179,7 +180,7 @@ def judge(
     eval loss within `tolerance`); `level`: the confidence of every interval."""
     timings = timings or {}
     for g in groups:
-        g.figures = own_figures(g, timings.get(g.key)) | {"confidence": level}
+        g.figures = own_figures(g, timings.get(g.key)) | {"confidence": level, "undecided": None}
     target.measure(groups, spec or target.TargetSpec(), tolerance)
     for g in groups:
         base, f = g.base, g.figures

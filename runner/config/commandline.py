@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 
+from runner.config.schema import AUTO_SEEDS
 from runner.errors import UserError
 
 # Hydra flags after which we do not second-guess the command line.
@@ -106,7 +107,8 @@ def is_multirun(args: list[str]) -> bool:
 
 def with_seeds(args: list[str]) -> list[str]:
     """The command line with `runner.seeds=N` (N > 1) as a seed sweep, `seed=S,S+1,...,S+N-1`
-    from the `seed=S` given (else 0): every job of the multirun then runs once per seed.
+    from the `seed=S` given (else 0): every job of the multirun then runs once per seed;
+    `runner.seeds=auto` starts with AUTO_SEEDS of them (runner/compare/seeds.py adds more).
     Raises UserError for a single run, or next to a seed sweep."""
     if informational(args):
         return args
@@ -118,6 +120,7 @@ def with_seeds(args: list[str]) -> list[str]:
     if option is not None and option.is_sweep_override():
         raise UserError(f"{option.input_line} is invalid: one number, not a sweep")
     n = option.value() if option is not None else 1
+    n = AUTO_SEEDS if n == "auto" else n
     if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
         return args  # 1, or a bad value that composing and validating report
     if not is_multirun(args):
@@ -133,6 +136,26 @@ def with_seeds(args: list[str]) -> list[str]:
     first = seed.value() if seed is not None else 0
     sweep = "seed=" + ",".join(str(first + i) for i in range(n))
     return [a for a in args if a != (seed.input_line if seed else None)] + [sweep]
+
+
+def seed_round(args: list[str], seed: int, keep: dict[str, set[str]], sweep_dir: str) -> list[str]:
+    """The next round of a `runner.seeds=auto` sweep (runner/compare/seeds.py): the command
+    line with one seed, `seed`, each swept key narrowed to the values in `keep` (those of the
+    rows still undecided and their baselines), in the same sweep folder, in job folders of
+    their own (seed<S>-<job number>)."""
+    out = []
+    for arg in args:
+        key = arg.lstrip("+~").partition("=")[0]
+        if key in ("seed", "hydra.sweep.dir", "hydra.sweep.subdir"):
+            continue
+        if key in keep and not arg.startswith("-"):
+            (o,) = _parse([arg])
+            if o.is_sweep_override():
+                values = [v for v in o.sweep_string_iterator() if v in keep[key]]
+                arg = f"{o.get_key_element()}={','.join(values)}"
+        out.append(arg)
+    subdir = f"seed{seed}-${{hydra.job.num}}"
+    return [*out, f"seed={seed}", f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}"]
 
 
 def sweep_keys(args: list[str]) -> list[str]:

@@ -195,9 +195,16 @@ class LoggerConfig:
     init_timeout_s: float = 30.0
 
 
+AUTO_SEEDS = 3  # runner.seeds=auto: the seeds every row runs before the first look
+
+
 @dataclass
 class RunnerConfig:
-    seeds: int = 1  # a multirun runs each job with seeds seed..seed+N-1: loss gaps vs seed noise
+    # A multirun runs each job with seeds seed..seed+N-1 (loss gaps against seed noise); auto:
+    # 3 seeds, then one more at a time for the rows still undecided, up to max_seeds
+    # (runner/compare/seeds.py).
+    seeds: Any = 1
+    max_seeds: int = 6
     speed: str = "jobs"  # or interleaved: each group's precisions timed again (interleave.py)
     speed_rounds: int = 3  # interleaved: rounds alternating the order (median, IQR over them)
     speed_steps: int = 5  # interleaved: timed steps per precision and round, after 2 untimed

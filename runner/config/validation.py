@@ -16,7 +16,7 @@ from runner.config.precision_rules import (
     _validate_precision,
 )
 from runner.config.rules import integer, number, require
-from runner.config.schema import EVAL_PRECISIONS, GPU_MEMORY_GB, Config, StageConfig
+from runner.config.schema import AUTO_SEEDS, EVAL_PRECISIONS, GPU_MEMORY_GB, Config, StageConfig
 from runner.config.tasks import validate_task
 
 
@@ -125,14 +125,22 @@ def _validate_logger(lg) -> None:
 def _validate_runner(cfg: DictConfig) -> None:
     p = cfg.precision
     r = cfg.runner
+    require(
+        r.seeds == "auto" or (isinstance(r.seeds, int) and not isinstance(r.seeds, bool)),
+        "runner.seeds",
+        r.seeds,
+        "a number of seeds, or auto",
+    )
     for key, least in (
         ("seeds", 1),
+        ("max_seeds", AUTO_SEEDS),
         ("speed_rounds", 2),
         ("speed_steps", 1),
         ("islands_max", 1),
         ("islands_steps", 1),
     ):
-        require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
+        if r[key] != "auto":
+            require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
     require(r.speed in ("jobs", "interleaved"), "runner.speed", r.speed, "jobs or interleaved")
     require(r.summary in ("short", "full"), "runner.summary", r.summary, "short or full")
     asked = list(r.eval_precisions)
