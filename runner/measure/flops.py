@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_flatten
 
+from runner.measure.flop_formulas import flop_formulas
 from runner.measure.peaks import GPU_PEAK_TFLOPS, device_model
 from runner.precision.layers import recomputing
 from runner.precision.modes import Mode, mode_of
@@ -56,17 +57,19 @@ class PrecisionAudit(TorchDispatchMode):
             self.matmuls.before()
         out = func(*args, **kwargs)
         formula = _FLOP_FORMULAS.get(func._overloadpacket)
-        count = int(formula(*args, **kwargs, out_val=out)) if formula is not None else None
+        count = formula(*args, **kwargs, out_val=out) if formula is not None else None
+        count = None if count is None else int(count)  # None: no matmul (an elementwise einsum)
         if self.matmuls is not None:
             self.matmuls.observe(func, args, kwargs, out, count)
         if count is not None:
             if recomputing():
                 self.recomputed += count
             else:
+                # the first floating operand's, a list's included (einsum's operands)
                 dtype = next(
                     (
                         _computes_in(a)
-                        for a in args
+                        for a in tree_flatten(args)[0]
                         if isinstance(a, torch.Tensor) and a.is_floating_point()
                     ),
                     None,
@@ -91,30 +94,7 @@ class PrecisionAudit(TorchDispatchMode):
         }
 
 
-def _flop_formulas() -> dict:
-    formulas = dict(flop_registry)
-    aten = torch.ops.aten
-    # The CPU flash-attention kernels take the same leading arguments as the CUDA ones.
-    for cpu, cuda in (
-        ("_scaled_dot_product_flash_attention_for_cpu", aten._scaled_dot_product_flash_attention),
-        (
-            "_scaled_dot_product_flash_attention_for_cpu_backward",
-            aten._scaled_dot_product_flash_attention_backward,
-        ),
-    ):
-        if hasattr(aten, cpu) and cuda in formulas:
-            formulas[getattr(aten, cpu)] = formulas[cuda]
-    # Under inference_mode a Linear reaches the dispatcher as aten.linear (not decomposed).
-    formulas[aten.linear] = _linear_flops
-    return formulas
-
-
-def _linear_flops(x: torch.Tensor, weight: torch.Tensor, bias=None, *, out_val=None) -> int:
-    """x @ weight.T: two FLOPs per multiply-add, as the matmul formulas count."""
-    return 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1]
-
-
-_FLOP_FORMULAS = _flop_formulas()
+_FLOP_FORMULAS = flop_formulas()
 
 
 def peak_tflops(caps, mode: Mode, cache_dir: Path) -> float | None:

@@ -47,7 +47,9 @@ def run(
     variants: Sequence[Variant], batches: Iterable[Batch], to_device, compare: Compare | None = None
 ) -> int:
     """Each batch through every variant in turn, so that only one batch's outputs are held at a
-    time: `compare` sees each variant's predictions of the batch. Returns the number of targets."""
+    time: `compare` sees each variant's predictions of the batch. Returns the number of targets.
+    Under inference_mode linear, matmul, einsum, attention and the convolutions reach a dispatch
+    mode whole, not decomposed: the precision audit has a formula for each (flop_formulas.py)."""
     count = 0
     for index, batch in enumerate(batches):
         count += variants[0].task.num_targets(batch)
