@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument(
-        "--tolerance", type=float, default=TOLERANCE, help="loss gap vs fp32 still counted as equal"
+        "--tolerance",
+        type=float,
+        help="loss gap vs fp32 still counted as equal (default: the sweep's compare.tolerance, "
+        f"else {TOLERANCE})",
     )
     parser.add_argument("--no-wandb", action="store_true", help="do not log the comparison to W&B")
     parser.add_argument(

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runner.compare.stats import as_float, finite
+from runner.compare.stats import as_float, finite, percent
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
@@ -177,7 +177,7 @@ def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[floa
     seeds = f"the mean of {len(finals)} seeds" if len(finals) > 1 else "one seed"
     words = (
         f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds}) "
-        f"{'+' if spec.lower else '−'}{tolerance:.0%} tolerance"
+        f"{'+' if spec.lower else '−'}{percent(tolerance)} tolerance"
     )
     bests = [(best_value(j, spec), j) for j in base.counted]
     bests = [(v, j) for v, j in bests if math.isfinite(v)]

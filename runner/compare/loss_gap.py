@@ -10,7 +10,7 @@ import math
 import statistics
 
 from runner.compare.groups import Group, closest, completed
-from runner.compare.stats import CONFIDENCE, paired, welch
+from runner.compare.stats import CONFIDENCE, paired, percent, welch
 
 SPREAD_FLOOR = 1e-6  # the least spread, relative to the loss
 LOSS_GAP = ("loss_gap", "loss_gap_ci_low", "loss_gap_ci_high")  # against the row's baseline
@@ -103,17 +103,12 @@ def gaps_to_bf16(groups: list[Group]) -> None:
         g.figures |= dict(zip(BF16_GAP, (gap[k] for k in LOSS_GAP), strict=True))
 
 
-def level_words(level: float) -> str:
-    """A confidence level as the verdicts print it: 95%, 98.75%."""
-    return f"{level * 100:.4g}%"
-
-
 def _ci(f: dict) -> str:
     """The loss gap's interval in words: its level, its ends, the test and its seeds."""
     n = f["loss_gap_seeds"]
     test = f"paired over {n} seeds" if f["loss_gap_test"] == "paired" else f"Welch, {n} seeds"
     return (
-        f"{level_words(f['confidence'])} CI {f['loss_gap_ci_low']:+.2%} to "
+        f"{percent(f['confidence'])} CI {f['loss_gap_ci_low']:+.2%} to "
         f"{f['loss_gap_ci_high']:+.2%}, {test}"
     )
 
@@ -142,13 +137,13 @@ def _problem(g: Group, tolerance: float) -> str:
     if kind == "worse":
         f["health"] = "worse"
         return (
-            f"worse than {name}: {metric} {gap:+.2%}, its interval beyond the {tolerance:.0%} "
+            f"worse than {name}: {metric} {gap:+.2%}, its interval beyond the {percent(tolerance)} "
             f"tolerance ({_ci(f)}) — not recommended"
         )
     if kind == "untested":
         f["undecided"] = "loss gap"  # more seeds would tell (runner/compare/seeds.py)
         return (
-            f"{metric} {gap:+.2%} vs {name}, its interval reaching past the {tolerance:.0%} "
+            f"{metric} {gap:+.2%} vs {name}, its interval reaching past the {percent(tolerance)} "
             f"tolerance ({_ci(f)}): untested — more seeds would tell"
         )
     if kind == "one seed" and gap > tolerance:
@@ -172,6 +167,6 @@ def _loss_words(g: Group, tolerance: float) -> str:
     if kind == "lower":
         return f"{metric} below {name}'s, no worse beyond the tolerance ({gap:+.2%}, {_ci(f)})"
     return (
-        f"{metric} equivalent to {name}'s within the ±{tolerance:.0%} tolerance "
+        f"{metric} equivalent to {name}'s within the ±{percent(tolerance)} tolerance "
         f"({gap:+.2%}, {_ci(f)})"
     )

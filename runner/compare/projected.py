@@ -46,8 +46,10 @@ def _row(g: Group, name: str) -> dict:
 
 
 def fill(groups: list[Group]) -> None:
-    """Each row's projected figures (NaN where not projected) and the verdict's clause. Called
-    after the verdicts are judged: nothing here changes which row is recommended."""
+    """Each row's projected figures (NaN where not projected) and the verdict's clauses: where
+    its mode (fp8, mxfp8, nvfp4, mxfp4) converted no Linear, which rules kept each one, so that
+    its 1.00× reads as the bf16 it ran; then its projection. Called after the verdicts are
+    judged: nothing here changes which row is recommended."""
     name = gpu(groups)
     for g in groups:
         ours = _row(g, name) if name else {}
@@ -62,6 +64,8 @@ def fill(groups: list[Group]) -> None:
         g.figures["projected_speedup"] = speedup if speedup else math.nan
         g.figures["projected_mfu"] = ours.get("mfu") if ours.get("mfu") is not None else math.nan
         g.figures["projected_step_time_s"] = t if t else math.nan
+        if words := (g.jobs[0].summary.get("fp8") or {}).get("nothing_converted"):
+            g.verdict += f"; {g.precision} {words}"  # a converting mode that converted nothing
         if t and speedup and g.base is not None and g.base is not g:
             g.verdict += (
                 f"; projected on {name}: {speedup:.2f}× {g.base.label}'s step (an estimate from "

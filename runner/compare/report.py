@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from runner import console
 from runner.compare import capacity, deployed, finetune, projected, target
 from runner.compare.dashboard import plot
-from runner.compare.loss_gap import level_words
-from runner.compare.stats import CONFIDENCE, known
+from runner.compare.stats import CONFIDENCE, known, percent
 from runner.compare.verdicts import in_short
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ def _notes(groups: list[Group]) -> list[str]:
 def _level(groups: list[Group]) -> str:
     """The confidence of the comparison's intervals, as the column heads say it (95%, or split
     over the looks of a runner.seeds=auto sweep)."""
-    return level_words(groups[0].figures.get("confidence", CONFIDENCE) if groups else CONFIDENCE)
+    return percent(groups[0].figures.get("confidence", CONFIDENCE) if groups else CONFIDENCE)
 
 
 def table(groups: list[Group]) -> list[list[str]]:

@@ -20,6 +20,11 @@ def as_float(value) -> float:
     return float(value) if value is not None else math.nan
 
 
+def percent(level: float) -> str:
+    """A share as the verdicts print it, to 4 digits: 95%, 98.75%, 0.6%."""
+    return f"{level * 100:.4g}%"
+
+
 def known(value) -> bool:
     """A figure that is there: neither missing nor NaN."""
     return value is not None and not (isinstance(value, float) and math.isnan(value))

@@ -28,9 +28,10 @@ from runner.compare.stats import CONFIDENCE, as_float, quartiles
 from runner.compare.target import TargetSpec
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
+from runner.config.schema import CompareConfig
 from runner.errors import UserError
 
-TOLERANCE = 0.02  # a loss within 2% of fp32's counts as "the same convergence" (one seed)
+TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default
 MAX_SKIPPED_SHARE = 0.5
 
 
@@ -168,22 +169,24 @@ def _settings(jobs: list[Job]) -> RunnerConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunnerConfig), block))
 
 
-def _target(jobs: list[Job], given: dict | None) -> TargetSpec:
-    """The target: the sweep's compare block (from its first job that has one), `given`'s
-    keys (target, target_metric, target_direction: the command line's) over it."""
+def _target(jobs: list[Job], given: dict | None) -> tuple[TargetSpec, float]:
+    """The target and the tolerance: the sweep's compare block (from its first job that has
+    one), `given`'s keys (target, target_metric, target_direction, tolerance: the command
+    line's) over it."""
     block = next((j.config["compare"] for j in jobs if j.config.get("compare")), {})
-    block = {k: v for k, v in block.items() if k.startswith("target")}
+    block = {k: v for k, v in block.items() if k.startswith("target") or k == "tolerance"}
     block |= {k: v for k, v in (given or {}).items() if v is not None}
-    return TargetSpec(
+    spec = TargetSpec(
         value=block.get("target"),
         metric=block.get("target_metric") or "eval_loss",
         direction=block.get("target_direction"),
     )
+    return spec, block.get("tolerance", TOLERANCE)
 
 
 def compare(
     sweep_dir: Path,
-    tolerance: float = TOLERANCE,
+    tolerance: float | None = None,
     wandb_log: bool = True,
     speed: str | None = None,
     target: dict | None = None,
@@ -191,12 +194,13 @@ def compare(
 ) -> list[Group]:
     """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
     or interleaved; None: as the sweep's runner.speed says. `target`: compare.target,
-    target_metric, target_direction over the sweep's own (runner/compare/target.py). `look`:
+    target_metric, target_direction over the sweep's own (runner/compare/target.py);
+    `tolerance`: over its compare.tolerance. `look`:
     a look of a runner.seeds=auto sweep, which, where more seeds follow, is written and said in
     a line a row, not shown or logged (runner/compare/seeds.py)."""
     jobs = load_sweep(sweep_dir)
     settings = _settings(jobs)
-    spec = _target(jobs, target)
+    spec, tolerance = _target(jobs, (target or {}) | {"tolerance": tolerance})
     groups = group(jobs)
     timings = None
     if (speed or settings.speed) == "interleaved":

@@ -9,7 +9,8 @@ import math
 from typing import TYPE_CHECKING
 
 from runner.compare import crossing, target
-from runner.compare.loss_gap import _name, level_words
+from runner.compare.loss_gap import _name
+from runner.compare.stats import percent
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
@@ -77,7 +78,7 @@ def _ci_of(f: dict, key: str) -> str:
     low, high = f[f"{key}_ci_low"], f[f"{key}_ci_high"]
     if not math.isfinite(low):
         return "one seed" if f["seeds"] == 1 else "no interval"
-    level, n = level_words(f["confidence"]), f["target_seeds_reached"]
+    level, n = percent(f["confidence"]), f["target_seeds_reached"]
     return f"{level} CI {low:.2f}× to {high:.2f}×, {n} seeds paired"
 
 

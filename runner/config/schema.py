@@ -243,6 +243,9 @@ class CompareConfig:
     target: float | None = None
     target_metric: str = "eval_loss"
     target_direction: str | None = None
+    # A loss gap to the baseline still counted as the same convergence (relative): the band the
+    # loss verdict holds each interval against, and the default target's loosening.
+    tolerance: float = 0.02
 
 
 @dataclass

@@ -177,6 +177,13 @@ def _validate_runner(cfg: DictConfig) -> None:
 
 def _validate_compare(c) -> None:
     """The comparison's target (runner/compare/target.py); a config saved before it has none."""
+    tolerance = c.get("tolerance", 0.02)
+    require(
+        isinstance(tolerance, float | int) and 0 < tolerance < 1,
+        "compare.tolerance",
+        tolerance,
+        "a share of the baseline's loss, between 0 and 1 (0.02: 2%)",
+    )
     direction = c.target_direction
     require(
         direction in (None, "lower", "higher"),
