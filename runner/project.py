@@ -63,19 +63,29 @@ def sweep(overrides: list[str]) -> list[tuple[list[str], dict]]:
 
 
 def crossovers(points: list[tuple[list[str], dict]], swept: str) -> list[str]:
-    """Where fp8's projected speedup over bf16 passes 1.0×, per GPU, along `swept`."""
+    """Where fp8's projected speedup over bf16 passes 1.0×, per GPU, along `swept`. A point
+    where fp8 converted no Linear is bf16's step, never a crossover: it shows as such."""
     from runner.measure import projection
 
     lines = []
     gpus = list(points[0][1]) if points else []
     for gpu in gpus:
-        series = []
+        series, unconverted = [], set()
         for overrides, projected in points:
-            value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == swept)
-            speedup = projected[gpu].get("fp8", {}).get("speedup_vs_bf16")
-            series.append((float(value), speedup))
+            value = float(
+                next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == swept)
+            )
+            row = projected[gpu].get("fp8", {})
+            if row.get("nothing_converted"):
+                unconverted.add(value)
+            series.append((value, None if value in unconverted else row.get("speedup_vs_bf16")))
         found = projection.crossover(series)
-        shown = ", ".join(f"{v:g}: {s:.2f}×" if s else f"{v:g}: —" for v, s in sorted(series))
+        shown = ", ".join(
+            f"{v:g}: no Linear converted"
+            if v in unconverted
+            else (f"{v:g}: {s:.2f}×" if s else f"{v:g}: —")
+            for v, s in sorted(series)
+        )
         verdict = (
             f"passes 1.0× at {swept}={found:g}" if found is not None else "never passes 1.0× here"
         )

@@ -44,6 +44,8 @@ def audit_precision(cfg: DictConfig) -> dict:
             summary = trainer.fit() | {"memory": trainer_memory(trainer)}
         finally:
             console.console.quiet = quiet
+        if precision.fp8:  # its Linears converted and skipped, as a run's summary has them
+            summary["fp8"] = precision.fp8.report()
         stage = trainer.meter.audited_steps[-1]
         rows = trainer.meter.rows
         return projection.run_entry(
@@ -81,3 +83,5 @@ def show(projected: dict, title: str = "") -> None:
     for row in rows:
         text = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
         console.console.print(f"  {text.rstrip()}", soft_wrap=True, highlight=False, markup=False)
+    for note in projection.notes(projected):  # a mode that converted no Linear, and why
+        console.console.print(f"  {note}", soft_wrap=True, highlight=False, markup=False)

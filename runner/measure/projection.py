@@ -188,6 +188,9 @@ def project(runs: dict[str, dict], gpus: list[str]) -> dict:
                 "max_batch": fitted_max_batch(coefficients, gpu),
                 "max_batch_from": run.get("memory_source"),
             }
+            if mode.fp8 and t and not row.get("converted_linears"):  # bf16 by another name
+                words = run.get("nothing_converted") or "converted no Linear in its audited step"
+                row["nothing_converted"] = f"{precision} {words}"
             if mode.mfu_also_vs and t and (other := gpu.peaks.get(mode.mfu_also_vs)):
                 row[f"mfu_vs_{mode.mfu_also_vs}_peak"] = row["flops_per_step"] / t / (other * 1e12)
             rows[precision] = row
@@ -228,6 +231,7 @@ def run_entry(summary: dict, stage: dict, micro_batch: int | None, row: dict | N
         **per_step,
         "memory_coefficients": coefficients,
         "memory_source": source,
+        "nothing_converted": (summary.get("fp8") or {}).get("nothing_converted"),
     }
 
 
@@ -258,12 +262,23 @@ def table(projection: dict) -> list[list[str]]:
                     f"{t * 1e3:.3g} ms" if t else f"— ({r.get('why', '')})",
                     f"{r['tokens_per_s']:.3g}" if r.get("tokens_per_s") else "—",
                     f"{r['mfu']:.1%}" if r.get("mfu") is not None else "—",
-                    _x(r.get("speedup_vs_bf16")),
+                    _x(r.get("speedup_vs_bf16")) + ("*" if r.get("nothing_converted") else ""),
                     _x(r.get("speedup_vs_fp32")),
                     str(r["max_batch"]) if r.get("max_batch") is not None else "—",
                 ]
             )
     return rows
+
+
+def notes(projection: dict) -> list[str]:
+    """The lines under the table: each precision marked * converted no Linear, and why."""
+    said = {
+        r["nothing_converted"]: None
+        for precisions in projection.values()
+        for r in precisions.values()
+        if isinstance(r, dict) and r.get("nothing_converted")
+    }
+    return [f"* {words}" for words in said]
 
 
 def _x(value: float | None) -> str:

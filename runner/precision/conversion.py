@@ -69,3 +69,19 @@ def saved_transposed(model: nn.Module) -> set[nn.Parameter]:
     """The weights the model saves transposed (those of the Linears that replaced a Conv1D): an
     optimizer's state of them is saved and loaded transposed too (runner/train/checkpoint.py)."""
     return {m.weight for m in model.modules() if m.__dict__.get("_saved_as_conv1d")}
+
+
+def nothing_converted(skipped: dict[str, str]) -> str:
+    """The words for a mode that converted no Linear, each Linear with the rule that kept it:
+    the summary, the projection and the comparison say them, prefixed with the mode."""
+    rules: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        rules.setdefault(why, []).append(name)
+    kept = "; ".join(
+        f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}: {why}"
+        for why, names in rules.items()
+    )
+    return (
+        "converted no Linear: its matmuls ran in bf16 autocast, as under precision=bf16 "
+        f"({kept or 'the model has none'})"
+    )

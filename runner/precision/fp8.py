@@ -24,7 +24,7 @@ from runner import console
 from runner.errors import UserError
 from runner.precision import layers
 from runner.precision.adapters import adapter_parameters
-from runner.precision.conversion import as_linear, carry, is_conv1d
+from runner.precision.conversion import as_linear, carry, is_conv1d, nothing_converted
 from runner.precision.layers import recomputing
 from runner.task import Task
 
@@ -189,7 +189,10 @@ class Fp8Linears(abc.ABC):
         """`converted`: the layers that are torchao's converted class on the model; `skipped`:
         the Linears left out, each with its reason."""
         converted = list(self._converted())
-        return {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
+        report = {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
+        if not converted:  # the mode is bf16 autocast by another name: said, not a silent 1.00×
+            report["nothing_converted"] = nothing_converted(self.skipped)
+        return report
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[dict]:
