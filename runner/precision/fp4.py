@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,8 +52,9 @@ from runner.precision.layers import recomputing
 @dataclass
 class Recipe:
     """One run's FP4 recipe: the format and its switches, the run's random Hadamard transform
-    and stochastic rounding generator, and the tiles' health counts (per module class and
-    tensor: blocks, saturated, underflow). Shared, not copied, by a deep copy of the model."""
+    and this rank's stochastic rounding generators (one per device, seeded from the seed and the
+    rank, their states checkpointed: `sr_state`), and the tiles' health counts (per module class
+    and tensor: blocks, saturated, underflow). Shared, not copied, by a deep copy of the model."""
 
     fmt: Fp4Format
     weight_2d: bool = True
@@ -60,9 +62,11 @@ class Recipe:
     sr: bool = True
     quantize: bool = True  # off: the recipe's transforms without its rounding (tests)
     seed: int = 0
+    rank: int = 0  # under DDP/FSDP each rank rounds with its own stream
     counts: dict = field(default_factory=lambda: defaultdict(lambda: torch.zeros(3)))
     _rht: Tensor | None = None
     _generators: dict = field(default_factory=dict)
+    _saved: dict = field(default_factory=dict)  # a checkpoint's states, for devices not yet used
 
     def __deepcopy__(self, memo) -> Recipe:
         return self
@@ -75,10 +79,23 @@ class Recipe:
         return self._rht
 
     def generator(self, device: torch.device) -> torch.Generator:
+        """The device's stochastic rounding generator: as a checkpoint left it, else seeded."""
         key = str(device)
         if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed + 1)
+            g = torch.Generator(device=device).manual_seed(sr_seed(self.seed, self.rank))
+            if (saved := self._saved.pop(key, None)) is not None:
+                g.set_state(saved)
+            self._generators[key] = g
         return self._generators[key]
+
+    def sr_state(self) -> dict[str, Tensor]:
+        """The generators' states by device, for a checkpoint (runner/train/checkpoint.py)."""
+        return self._saved | {key: g.get_state() for key, g in self._generators.items()}
+
+    def load_sr_state(self, states: dict[str, Tensor]) -> None:
+        """A checkpoint's `sr_state` (this rank's): each device's generator continues from it."""
+        self._generators.clear()
+        self._saved = dict(states)
 
     def q(self, x: Tensor, kind: str, tensor: str, tile=None, stochastic=False) -> Quantized:
         """`x` quantized, its tiles' health counted under (module class, tensor)."""
@@ -111,6 +128,13 @@ class Recipe:
             x = torch.stack((x[:, :, 0] + x[:, :, 1], x[:, :, 0] - x[:, :, 1]), dim=2)
             h *= 2
         return x.reshape(rows, cols) / HADAMARD_SIZE**0.5
+
+
+def sr_seed(seed: int, rank: int) -> int:
+    """The stochastic rounding generators' seed: rank 0's is one process's (seed + 1), the other
+    ranks' apart in their low 32 bits (all a CPU generator's Mersenne Twister keeps), by an odd
+    step (2³²/φ): no two ranks of a run draw the same stream."""
+    return seed + 1 + rank * 0x9E3779B9
 
 
 class _Exact(Quantized):
@@ -206,6 +230,7 @@ class Fp4Linears(Fp8Linears):
             rht=fp4.rht,
             sr=fp4.sr,
             seed=torch.initial_seed() % 2**62,
+            rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
         )
 
     def prepare(self, model: nn.Module, islands) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
+from runner.precision.fp4 import Recipe
 from runner.train import distributed, sharded
 from runner.train.convert import convert_precision
 from runner.train.distributed import Dist
@@ -187,7 +188,8 @@ class Checkpointer:
 
     def state(self, trainer) -> dict:
         """A trainer's whole state: modules, precision (scaler, master weights), position,
-        counters, every rank's RNG, and what the run adds (config, W&B run id)."""
+        counters, every rank's RNG (and nvfp4's stochastic rounding generators), and what the
+        run adds (config, W&B run id)."""
         return {
             **module_states(trainer.task, trainer.optimizers, trainer.schedulers, self.sharded),
             **trainer.precision.state_dict(),
@@ -196,7 +198,7 @@ class Checkpointer:
             "skipped_steps": trainer.skipped_steps,
             "consecutive_skipped": trainer.consecutive_skipped,
             "precision": trainer.precision.name,
-            **rng_states(self.dist),
+            **rng_states(self.dist, _streams(trainer)),
             **trainer.extra_state,
         }
 
@@ -209,4 +211,25 @@ class Checkpointer:
         trainer.precision.load_state_dict(state)
         trainer.skipped_steps = state.get("skipped_steps", 0)
         trainer.consecutive_skipped = state.get("consecutive_skipped", 0)
-        restore_rng(state, self.dist)
+        streams = restore_rng(state, self.dist)
+        if (recipe := _fp4_recipe(trainer)) is None:
+            return
+        if streams is None and recipe.sr:
+            console.say(
+                "[yellow]warning:[/] the checkpoint holds no stochastic rounding state (written "
+                "before it was saved): precision.fp4.sr's stream restarts from its seed, so the "
+                "run will not continue bit for bit"
+            )
+        recipe.load_sr_state((streams or {}).get("fp4_sr", {}))
+
+
+def _fp4_recipe(trainer) -> Recipe | None:
+    """nvfp4's or mxfp4's recipe (its stochastic rounding generators), None in other modes."""
+    recipe = getattr(trainer.precision.fp8, "recipe", None)
+    return recipe if isinstance(recipe, Recipe) else None
+
+
+def _streams(trainer) -> dict:
+    """This rank's generators beyond the global ones, for the checkpoint (runner/train/rng.py)."""
+    recipe = _fp4_recipe(trainer)
+    return {"fp4_sr": recipe.sr_state()} if recipe else {}

@@ -1,6 +1,6 @@
-"""The random number generators' states a checkpoint holds (Python's, NumPy's, torch's, CUDA's),
-every rank's, so that a resumed run draws the same dropout masks and batches as one that never
-stopped."""
+"""The random number generators' states a checkpoint holds (Python's, NumPy's, torch's, CUDA's,
+and the run's own streams: nvfp4's stochastic rounding), every rank's, so that a resumed run draws
+the same dropout masks, batches and roundings as one that never stopped."""
 
 from __future__ import annotations
 
@@ -46,18 +46,36 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rng_states(dist: Dist) -> dict:
+def rng_states(dist: Dist, streams: dict | None = None) -> dict:
     """This process's RNG states, and with several ranks every rank's (dropout differs by rank),
-    gathered for rank 0 to save. Every rank must call it."""
-    states = distributed.gather(rng_state(), dist)
-    return {"rng": states[dist.rank], **({"rng_by_rank": states} if dist.enabled else {})}
+    gathered for rank 0 to save; `streams`: its generators beyond the global ones (nvfp4's
+    stochastic rounding: {name: state}), every rank's in `streams_by_rank`. Every rank must call
+    it."""
+    pairs = distributed.gather((rng_state(), streams or {}), dist)
+    states = [rng for rng, _ in pairs]
+    return {
+        "rng": states[dist.rank],
+        **({"rng_by_rank": states} if dist.enabled else {}),
+        "streams_by_rank": [mine for _, mine in pairs],
+    }
 
 
-def restore_rng(state: dict, dist: Dist) -> None:
+def restore_rng(state: dict, dist: Dist) -> dict | None:
+    """Sets this rank's RNG states from the checkpoint; returns its `streams` for their owners to
+    restore: None where the checkpoint has none (written before they were saved), {} where it was
+    written by another number of ranks (each rank's generators then start from their seeds, rather
+    than every rank drawing rank 0's stream)."""
     by_rank = state.get("rng_by_rank") or []
     if dist.enabled and len(by_rank) != dist.world:
         console.say(
             f"[yellow]warning:[/] the checkpoint was written by {len(by_rank) or 1} rank(s), "
-            f"this run has {dist.world}: dropout's random stream will differ"
+            f"this run has {dist.world}: dropout's and stochastic rounding's random streams "
+            "will differ"
         )
     set_rng_state(by_rank[dist.rank] if len(by_rank) == dist.world else state["rng"])
+    streams = state.get("streams_by_rank")
+    if streams is None:
+        return None
+    if len(streams) == dist.world:
+        return streams[dist.rank]
+    return {} if dist.enabled else streams[0]  # one process continues rank 0's
