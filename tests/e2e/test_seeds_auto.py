@@ -1,0 +1,71 @@
+"""`runner.seeds=auto` through the real command line: 3 seeds, then one more at a time for the
+rows still undecided, up to runner.max_seeds, and the comparison says what each row took."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.helpers import TINY_MLP, cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_seeds_auto_adds_seeds_to_the_undecided_rows_and_says_why_each_stopped(tmp_path, cpu_kind):
+    """bf16_true keeps its weights in bf16: about 0.6% above fp32 in every seed, beyond
+    compare.tolerance=1e-6 at once: worse, decided at 3 seeds. bf16 (autocast) rounds only its
+    matmuls' inputs: differences of either sign, far inside any real tolerance but not inside
+    1e-6, so its interval stays open and it runs to the cap (4), with fp32 beside it. Under
+    every CPU kind: bf16's matmuls then run natively or in fp32 (precision.cpu_kernels)."""
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "precision=fp32,bf16_true,bf16",
+        *TINY_MLP,
+        "runner.seeds=auto",
+        "runner.max_seeds=4",
+        "compare.tolerance=1e-6",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=5",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["label"]: r for r in json.loads((sweep / "compare.json").read_text())}
+    assert {k: r["seeds"] for k, r in rows.items()} == {"fp32": 4, "bf16_true": 3, "bf16": 4}
+    assert rows["bf16_true"]["seeds_stopped"] == "decided"
+    assert rows["bf16_true"]["verdict"].startswith("worse than fp32")
+    assert rows["bf16"]["seeds_stopped"] == (
+        "the cap, runner.max_seeds=4: its loss gap interval still open"
+    )
+    assert rows["fp32"]["seeds_stopped"] == "the baseline"
+    assert rows["bf16"]["confidence"] == pytest.approx(1 - 0.05 / 2)  # 2 looks: 3 and 4 seeds
+    assert (
+        "97.5% CI" in rows["bf16"]["verdict"] and "paired over 4 seeds" in rows["bf16"]["verdict"]
+    )
+    # The second round ran seed 3 of fp32 and bf16 only, in folders of its own.
+    added = sorted(p.name for p in sweep.glob("seed3-*"))
+    assert added == ["seed3-0", "seed3-1"]
+    ran = {OmegaConf.load(sweep / a / ".hydra" / "config.yaml").precision.mode for a in added}
+    assert ran == {"fp32", "bf16"}
+    md = (sweep / "compare.md").read_text()
+    assert "| 4: the cap, runner.max_seeds=4: its loss gap interval still open |" in md
+    assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
+    assert "bf16 (4 seeds, the cap, runner.max_seeds=4" in proc.stdout
+    assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
+
+
+def test_seeds_auto_and_its_cap_are_checked_before_anything_runs(tmp_path):
+    for args, said in (
+        (["runner.seeds=many"], "runner.seeds='many' is invalid: a number of seeds, or auto"),
+        (["runner.seeds=auto", "runner.max_seeds=2"], "runner.max_seeds=2 is invalid: must be ≥ 3"),
+        (
+            ["compare.tolerance=2"],
+            "compare.tolerance=2.0 is invalid: a share of the baseline's loss",
+        ),
+    ):
+        proc = cli("-m", "precision=fp32,bf16", *TINY_MLP, *args, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("error: " + said), proc.stderr
