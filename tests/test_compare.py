@@ -545,3 +545,29 @@ def test_the_speed_whiskers_are_the_quartiles_themselves(tmp_path):
 
 def read_rows(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_auto_sweeps_wandb_table_carries_the_paired_interval_and_the_seeds_taken(tmp_path):
+    """runner.seeds=auto, looked at for the last time: the `compare` run's W&B table has the
+    columns of compare.md, the level of the split intervals in their heads, and each row's
+    seeds with why it stopped."""
+    auto = {"seeds": "auto", "max_seeds": 6}
+    logger = {"logger": {"backend": "wandb", "mode": "offline", "project": "amp-runner-test"}}
+    for i, loss in enumerate([2.0, 2.1, 1.9]):
+        fake_job(tmp_path / str(i), "fp32", seed=i, eval_loss=loss, runner=auto, config=logger)
+        fake_job(
+            tmp_path / str(3 + i),
+            "bf16",
+            seed=i,
+            eval_loss=loss * 1.001,
+            runner=auto,
+            config=logger,
+        )
+    compare(tmp_path)
+    [table_file] = tmp_path.glob("wandb/offline-run-*/files/media/table/comparison_*.table.json")
+    table = json.loads(table_file.read_text())
+    rows = {r[0]: dict(zip(table["columns"], r, strict=True)) for r in table["data"]}
+    assert "loss gap [98.75% CI]" in table["columns"]
+    assert rows["bf16"]["seeds"] == "3: decided" and rows["fp32"]["seeds"] == "3: the baseline"
+    assert rows["bf16"]["loss gap [98.75% CI]"] == "+0.1% [+0.1%, +0.1%]"
+    assert "paired over 3 seeds" in rows["bf16"]["verdict"]

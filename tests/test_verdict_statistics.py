@@ -217,8 +217,8 @@ def test_the_crossing_is_unbiased_on_smooth_curves_with_8_evaluations_before_it(
 
 
 def test_the_default_target_is_one_every_baseline_seed_reaches():
-    """fp32's seeds end at 1.45 and 1.51: mean + 2% is 1.5096, which seed 1 never reaches;
-    the target is loosened to seed 1's best, named, and every row is timed."""
+    """fp32's seeds end at 1.45 and 1.51: the mean + 2%, 1.5096, seed 1 never reaches. The
+    target is seed 1's best + 2% instead, named, and every row is timed."""
     curves = {
         0: lambda s: 1.45 + 1.0 * math.exp(-s / 20),
         1: lambda s: 1.51 + 1.0 * math.exp(-s / 20),
@@ -231,8 +231,9 @@ def test_the_default_target_is_one_every_baseline_seed_reaches():
         ]
     rows = judged(jobs)
     f = rows["fp32"].figures
-    assert f["target"] == pytest.approx(curves[1](STEPS), rel=1e-3) and f["target"] > 1.5096
-    assert "the best of fp32 seed 1, so that every seed of fp32 reaches it" in f["target_from"]
+    assert f["target"] == pytest.approx(curves[1](STEPS) * 1.02, rel=1e-3)
+    best = f"{curves[1](STEPS):.4f}"
+    assert f["target_from"].startswith(f"the best of fp32 seed 1, {best}, the furthest of its")
     assert f["target_status"] == "reached" and f["target_seeds_reached"] == 2
     assert rows["bf16"].figures["target_status"] == "reached"
 

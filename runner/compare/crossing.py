@@ -161,9 +161,9 @@ def best_value(job: Job, spec: TargetSpec) -> float:
 
 def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[float, str]:
     """The target for the rows compared with `base`, and where it comes from (in words): the
-    baseline's mean final value loosened by the tolerance, or, where a seed of the baseline never
-    gets that far, the best that seed's smoothed curve reaches; so every baseline seed reaches
-    it."""
+    baseline's mean final value, or its worst seed's best where that is further, loosened by
+    the tolerance; so every baseline seed reaches it, and so does a mode within the tolerance
+    of each."""
     if spec.value is not None:
         return float(spec.value), f"compare.target={spec.value:g}"
     if base is None:
@@ -172,23 +172,23 @@ def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[floa
     if not finals:
         return math.nan, f"{base.label} has no {spec.metric} to take a target from"
     sign = 1 if spec.lower else -1
-    mean = sum(finals) / len(finals)
-    loose = mean + sign * tolerance * abs(mean)
+    value = mean = sum(finals) / len(finals)
     seeds = f"the mean of {len(finals)} seeds" if len(finals) > 1 else "one seed"
-    words = (
-        f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds}) "
-        f"{'+' if spec.lower else '−'}{percent(tolerance)} tolerance"
-    )
+    words = f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds})"
     bests = [(best_value(j, spec), j) for j in base.counted]
-    bests = [(v, j) for v, j in bests if math.isfinite(v)]
-    worst, job = max(bests, key=lambda b: sign * b[0], default=(loose, None))
-    if sign * (worst - loose) > 0:  # a seed never gets that far: loosened to its best
-        words += (
-            f", loosened to {worst:.4f}, the best of {base.label} seed "
-            f"{job.config.get('seed', '?')}, so that every seed of {base.label} reaches it"
+    worst, job = max(
+        ((v, j) for v, j in bests if math.isfinite(v)),
+        key=lambda b: sign * b[0],
+        default=(mean, None),
+    )
+    if sign * (worst - mean) > 0:  # a seed never gets as far as the mean: from its best
+        value = worst
+        words = (
+            f"the best of {base.label} seed {job.config.get('seed', '?')}, {worst:.4f}, the "
+            f"furthest of its seeds (their mean final: {mean:.4f})"
         )
-        return worst, words
-    return loose, words
+    loose = value + sign * tolerance * abs(value)
+    return loose, f"{words} {'+' if spec.lower else '−'}{percent(tolerance)} tolerance"
 
 
 def _job_time(g: Group, job: Job, step: float, wall_s: float) -> tuple[float, str]:

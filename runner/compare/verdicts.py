@@ -6,12 +6,13 @@ seed's median for the rest), its divergence rate (the share of seeds that failed
 overflowed), and its loss against the baseline's, on the eval loss where every good seed of both
 has one, else the final training loss:
 
-- with 2+ good seeds on each side, the difference of the means relative to the baseline's mean
-  (`loss_gap`) and its 95% confidence interval by Welch's t (`loss_gap_ci_low/high`). A mode is
-  worse where the interval excludes 0 and the gap exceeds the tolerance; within seed noise where
-  the interval holds 0 and the gap is within the tolerance; untested where the interval holds 0
-  but the gap exceeds the tolerance (more seeds would tell). `gap_in_spreads` is the gap in
-  units of the pooled seed-to-seed spread (at least SPREAD_FLOOR of the loss).
+- with 2+ seeds that both rows ran, the difference of the means relative to the baseline's mean
+  (`loss_gap`) and its interval, paired: Student's t on the per-seed differences (a seed's own
+  luck cancels); where the seeds do not pair, Welch's t over 2+ good seeds a side. The words
+  follow the interval against the tolerance (loss_gap.py's loss_class): worse beyond it,
+  equivalent within it at both ends, untested where it holds the tolerance (more seeds would
+  tell). `gap_in_spreads` is the gap in units of the pooled seed-to-seed spread (at least
+  SPREAD_FLOOR of the loss).
 - with one seed, the relative gap of the eval loss where both have one, else of the smoothed
   final training loss; untested against seed noise, and worse beyond the tolerance.
 A gap that cannot be computed (no curve, no eval) is untested and never recommended.
