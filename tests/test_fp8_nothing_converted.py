@@ -97,3 +97,18 @@ def test_a_sweep_point_where_fp8_converted_nothing_is_never_its_crossover():
         "H100 SXM: fp8 over bf16 (projected) passes 1.0× at model.hidden_size=4096 "
         "(64: no Linear converted, 1024: 0.90×, 4096: 1.20×)"
     )
+
+
+def test_a_mode_that_converted_nothing_is_never_recommended_on_its_speed(tmp_path):
+    """fp8 that converted no Linear ran as bf16: its speed (1.5× fp32's here) says nothing of
+    fp8, and its verdict says why instead of recommending it."""
+    from runner.compare import compare
+    from tests.test_compare import fake_job
+
+    words = "converted no Linear: net.0: the first Linear layer (precision.fp8.skip)"
+    fp8_block = {"converted": [], "skipped": {"net.0": "…"}, "nothing_converted": words}
+    fake_job(tmp_path / "0", "fp32", speed=100.0, summary={"mfu": 0.5})
+    fake_job(tmp_path / "1", "fp8", speed=150.0, summary={"fp8": fp8_block, "mfu": 0.5})
+    _, fp8 = compare(tmp_path, wandb_log=False)
+    assert "speed emulated: its fp8 converted no Linear, so it ran as bf16" in fp8.verdict
+    assert "recommended" not in fp8.verdict.replace("not recommended", "")

@@ -107,9 +107,12 @@ def plan_held(g: Group) -> dict:
 
 
 def _emulated_by(summary: dict) -> str | None:
-    """What makes a job's speed say nothing of its precision's: "fp8" where its converted Linears'
+    """What makes a job's speed say nothing of its precision's: "nothing converted" where its
+    converting mode (fp8, mxfp8, nvfp4, mxfp4) converted no Linear; "fp8" where its converted Linears'
     GEMMs were emulated (fp8 and mxfp8 without their units, nvfp4 and mxfp4 always), "cpu_kernels"
     where precision.cpu_kernels=fast computed its low-precision matmuls in fp32; else None."""
+    if (summary.get("fp8") or {}).get("nothing_converted"):  # it ran as bf16: says nothing of it
+        return "nothing converted"
     if (summary.get("fp8") or {}).get("kernels") == "emulated":
         return "fp8"
     return "cpu_kernels" if summary.get("cpu_kernels") == "fast" else None

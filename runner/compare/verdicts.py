@@ -137,11 +137,13 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
             else speed
         )
         if g in emulated:
-            how = (
-                f"its {g.precision} matmuls were emulated (quantized and dequantized in PyTorch, "
-                "no kernels of that format here)"
-                if f["speed_emulated_by"] == "fp8"
-                else f"its {g.precision} matmuls ran in fp32 on this CPU (precision.cpu_kernels)"
+            how = {
+                "fp8": f"its {g.precision} matmuls were emulated (quantized and dequantized in "
+                "PyTorch, no kernels of that format here)",
+                "nothing converted": f"its {g.precision} converted no Linear, so it ran as bf16",
+            }.get(
+                f["speed_emulated_by"],
+                f"its {g.precision} matmuls ran in fp32 on this CPU (precision.cpu_kernels)",
             )
             tail = f"speed emulated: {how}, so it tells nothing of its own speed"
         elif g in small:
