@@ -147,6 +147,9 @@ class PrecisionConfig:
     # then steps fp32 masters of them). Mixed modes keep every weight fp32 (runner/precision/
     # adapters.py).
     adapter_dtype: str = "fp32"
+    # Each matmul's measured error (runner/measure/matmul_error.py) on the audited step, and
+    # every N optimizer steps where N > 0.
+    error_every_n_steps: int = 0
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
     fp4: Fp4Config = field(default_factory=Fp4Config)  # precision=nvfp4, mxfp4
 

@@ -14,6 +14,7 @@ import torch
 from runner import console
 from runner.console import ProgressBar
 from runner.errors import Preempted
+from runner.measure.error_table import MatmulErrors
 from runner.precision import Precision, StepResult
 from runner.task import Batch, DataModule, Task
 from runner.tracking import RunLog
@@ -99,6 +100,7 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
+        self.errors = MatmulErrors(task, precision)  # each matmul's error, on measured steps
         self.preemption = Preemption(self.dist)
         self._unsettled: PendingStep | None = None  # the last step, until its flag is read
         self._trouble: tuple[PendingStep, dict | None] | None = None  # skipped: report or stop
@@ -124,8 +126,10 @@ class Trainer:
                 health = (self.task, window, self.precision, self.dist, self._to_device)
                 probe = functools.partial(window_health, *health)  # fp16's, when audited
                 audit = (probe, self.precision.counting, self.precision.mode, self.step + 1)
-                with self.meter.audited(*audit):
+                errors = self.errors.at(self.step + 1, self.meter.audit is None)
+                with self.meter.audited(*audit), errors:
                     stepped = self.train_step(window)
+                self.errors.show()  # under the audited step's manifest
                 if stepped is not None:
                     self.step += 1
                     self.samples_seen += self.meter.record(
@@ -260,6 +264,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "final_loss_scale": self.precision.loss_scale,
             **self.meter.summary(),
+            **self.errors.summary(),
             **self.evaluation.summary(),
             **({"resumed_across_precision": self.conversion} if self.conversion else {}),
         }

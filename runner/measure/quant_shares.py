@@ -1,0 +1,181 @@
+"""What a matmul's operands lose when quantized to its format, for each matmul's measured error
+(runner/measure/matmul_error.py): each operand's format per direction, read off the module as the
+run converted it (`operand_formats`), and one place per format that quantizes an operand as the
+run does (`counts`): of its nonzero elements, how many flush to zero and how many are clamped at
+the format's largest finite value, and its amax.
+
+Every operand comes as a 2-D matrix whose last dimension is the GEMM's inner one (the dimension a
+row scale or a block runs along): forward x (tokens × in) and W (out × in); the input's gradient
+dy (tokens × out) and Wᵀ (in × out); the weight's gradient dyᵀ (out × tokens) and xᵀ (in × tokens).
+
+- bf16, fp16: the cast (fp16's values beyond 65504 count as clamped: they overflow);
+- fp8 e4m3/e5m2, tensorwise or rowwise: torchao's dynamic scaling, largest / amax over the tensor
+  or over each row, then the cast saturated at the format's largest;
+- mxfp8: e4m3 in blocks of 32 with a power-of-two scale, 2^ceil(log2(amax / 448)) (torchao's RCEIL);
+- nvfp4, mxfp4: the project's own quantizer (runner/precision/fp4_quant.py), with the run's tiles
+  and its own random Hadamard transform of the weight gradient's operands; round to nearest (a
+  stochastically rounded gradient's shares are round to nearest's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runner.measure.matmuls import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from runner.measure.truth import short
+from runner.precision.fp4 import Fp4Linear
+from runner.precision.fp4_quant import E2M1_MAX, HADAMARD_SIZE, Fp4Format, quantize
+from runner.precision.fp32_islands import is_island
+
+ROLES = {FORWARD: ("x", "w"), INPUT_GRAD: ("dy", "w"), WEIGHT_GRAD: ("dy", "x")}
+_FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class OperandFormat:
+    """An operand's format: `name` as the table shows it; `dtype` its elements' (None: fp32,
+    nothing rounds, or FP4); `scaling` (tensorwise, rowwise, block) where scaled; `fp4`, `tile`
+    and `rotate` (the run's random Hadamard transform along the tokens) for FP4."""
+
+    name: str
+    dtype: torch.dtype | None = None
+    scaling: str = ""
+    fp4: Fp4Format | None = None
+    tile: tuple[int, int] = (1, 1)
+    rotate: Callable[[Tensor], Tensor] | None = None
+
+
+FP32 = OperandFormat("fp32")
+
+
+def cast(dtype: torch.dtype | None) -> OperandFormat:
+    if dtype is None or dtype == torch.float32:
+        return FP32
+    return OperandFormat(short(dtype), dtype)
+
+
+def fp8(dtype: torch.dtype, rowwise: bool) -> OperandFormat:
+    scaling = "rowwise" if rowwise else "tensorwise"
+    return OperandFormat(f"fp8 {_FP8[dtype]} {scaling}", dtype, scaling)
+
+
+MXFP8 = OperandFormat(f"mxfp8 e4m3 block {MX_BLOCK}", torch.float8_e4m3fn, "block")
+
+
+def fp4(fmt: Fp4Format, tile: tuple[int, int], rotate=None) -> OperandFormat:
+    shape = f"block {tile[1]}" if tile[0] == 1 else f"tile {tile[0]}×{tile[1]}"
+    rht = ", rotated" if rotate else ""
+    return OperandFormat(f"{fmt.name} e2m1 {shape}{rht}", None, "block", fmt, tile, rotate)
+
+
+def _float8(config, high: OperandFormat) -> dict[str, tuple[str, tuple]]:
+    """torchao float8's cast configs, per direction (DISABLED: the high-precision operand)."""
+
+    def one(cast_config) -> OperandFormat:
+        if cast_config.scaling_type.name == "DISABLED":
+            return high
+        rowwise = cast_config.scaling_granularity.name == "AXISWISE"
+        return fp8(cast_config.target_dtype, rowwise)
+
+    pairs = {
+        FORWARD: (config.cast_config_input, config.cast_config_weight),
+        INPUT_GRAD: (config.cast_config_grad_output, config.cast_config_weight_for_grad_input),
+        WEIGHT_GRAD: (
+            config.cast_config_grad_output_for_grad_weight,
+            config.cast_config_input_for_grad_weight,
+        ),
+    }
+    out = {}
+    for direction, (a, b) in pairs.items():
+        formats = (one(a), one(b))
+        out[direction] = ("fp8" if any(f.dtype in _FP8 for f in formats) else high.name, formats)
+    return out
+
+
+def operand_formats(
+    module: nn.Module, autocast: torch.dtype | None, converted: bool
+) -> dict[str, tuple[str, tuple[OperandFormat, OperandFormat]]]:
+    """direction → (the format it computes in, its two operands' formats), for `module` called
+    under `autocast` (its dtype, None where off); `converted`: whether converted Linears run in
+    their format now (a staged run's other stages run them plain)."""
+    weight = module.weight
+    if is_island(module) or (autocast is None and weight.dtype == torch.float32):
+        high = FP32
+    else:  # autocast's dtype, or the weights' own (bf16_true, fp16_master)
+        high = cast(autocast or weight.dtype)
+    config = getattr(module, "config", None)
+    if converted and hasattr(config, "cast_config_input"):  # torchao's Float8Linear
+        return _float8(config, high)
+    if converted and type(module).__name__ == "MXFP8Linear":
+        low = ("mxfp8", (MXFP8, MXFP8))
+        weight_grad = ("fp32", (FP32, FP32)) if getattr(module, "wgrad_with_hp", False) else low
+        return {FORWARD: low, INPUT_GRAD: low, WEIGHT_GRAD: weight_grad}
+    if converted and isinstance(module, Fp4Linear):
+        r = module.recipe
+        block = r.fmt.block
+        w = fp4(r.fmt, (block, block) if r.weight_2d else (1, block))
+        row = fp4(r.fmt, (1, block))
+        rotated = fp4(r.fmt, (1, block), r.rotate if r.rht else None)
+        return {
+            FORWARD: (r.fmt.name, (row, w)),
+            INPUT_GRAD: (r.fmt.name, (row, w)),
+            WEIGHT_GRAD: (r.fmt.name, (rotated, rotated)),
+        }
+    return dict.fromkeys(ROLES, (high.name, (high, high)))
+
+
+def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
+    return F.pad(t, (0, -t.shape[1] % cols, 0, -t.shape[0] % rows))
+
+
+def _rotated(t: Tensor, rotate) -> Tensor:
+    """`t` (its inner dimension the tokens) after the run's own random Hadamard transform, which
+    Fp4Linear applies along the tokens, zero tokens padding them to its 16 as the layer's do."""
+    return rotate(_padded(t, 1, HADAMARD_SIZE).t()).t()
+
+
+def counts(t: Tensor, f: OperandFormat) -> Tensor:
+    """[nonzero, flushed to zero, clamped, amax] of `t` (2-D, the inner dimension last) quantized
+    to `f`, as float64 on its device."""
+    t = t.detach().float()
+    if f.rotate is not None:
+        t = _rotated(t, f.rotate)
+    nonzero = t != 0
+    amax = t.abs().amax() if t.numel() else torch.zeros((), device=t.device)
+    if f.fp4 is not None:
+        rows, cols = f.tile
+        q = quantize(_padded(t, rows, cols), f.fp4, f.tile)
+        scale = q.scales.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+        scale = (scale * q.tensor_scale.float())[: t.shape[0], : t.shape[1]]
+        flushed = nonzero & ((q.codes[: t.shape[0], : t.shape[1]] & 7) == 0)
+        clamped = t.abs() > E2M1_MAX * scale
+    elif f.dtype is None:
+        flushed = clamped = torch.zeros_like(nonzero)
+    else:
+        largest = torch.finfo(f.dtype).max
+        scaled = t * _scale(t, f, largest)
+        clamped = scaled.abs() > largest
+        flushed = nonzero & (scaled.clamp(-largest, largest).to(f.dtype) == 0)
+    return torch.stack(
+        [nonzero.sum(), flushed.sum(), clamped.sum(), amax.to(nonzero.device)]
+    ).double()
+
+
+def _scale(t: Tensor, f: OperandFormat, largest: float) -> Tensor | float:
+    """The factor the run multiplies the operand by before the cast: 1 for a plain cast."""
+    if f.scaling == "tensorwise":
+        return largest / t.abs().amax().clamp(min=1e-12)
+    if f.scaling == "rowwise":
+        return largest / t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    if f.scaling == "block":
+        blocks = _padded(t, 1, MX_BLOCK).reshape(t.shape[0], -1, MX_BLOCK)
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        exponent = torch.ceil(torch.log2(amax / largest)).clamp(-127, 127)
+        scale = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
+        return scale.expand_as(blocks).reshape(t.shape[0], -1)[:, : t.shape[1]]
+    return 1.0
