@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from runner.compare import capacity
 from runner.compare.stats import finite, mean_std, median, quartiles
+from runner.measure.error_table import worst_layer
 
 if TYPE_CHECKING:
     from runner.compare.jobs import Job
@@ -139,6 +140,7 @@ def own_figures(g: Group, timing: dict | None) -> dict:
     return (
         f
         | plan_held(g)
+        | {"worst_layer": worst_layer([j.summary for j in jobs])}  # lowest matmul SQNR
         | {
             "eval_loss_mean": f["eval_loss"],
             "seeds": len(g.jobs),

@@ -39,6 +39,7 @@ COLUMNS = [
     ("MFU", "mfu", "{:.1%}"),
     ("low-prec FLOPs", "low_precision_flop_share", "{:.0%}"),
     ("plan held", "plan_held", "{}"),
+    ("worst layer", "worst_layer", "{}"),  # its lowest matmul SQNR (summary.json's matmul_error)
     ("verdict", "verdict", "{}"),
 ]
 # where a row converted Linears (fp8, mxfp8, nvfp4, mxfp4): the share of the step's FLOPs in
