@@ -285,7 +285,7 @@ def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary:
     held = manifest.build(trainer.meter.audited_steps, plan, truth_rows, evaluated)
     found |= {"precision_manifest": held, "plan_held": held["plan_held"]}
     report_manifest(held, log)
-    trainer.errors.log(log)  # each matmul's error: the tracker's table
+    found |= trainer.errors.report(log)  # each matmul's error: summary.json's, the tracker's
     if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
         from runner.answers.projection import projection_for_run, show
 

@@ -355,6 +355,8 @@ def test_the_steps_after_the_audit_pay_for_no_manifest_and_no_config_reads(tmp_p
     from omegaconf import DictConfig
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+    from runner.measure.error_table import MatmulErrors
+    from runner.measure.matmul_error import ErrorProbe
     from runner.measure.matmuls import MatmulLog
     from runner.measure.memory import SavedActivations
     from runner.measure.module_stack import ModuleStack
@@ -375,6 +377,8 @@ def test_the_steps_after_the_audit_pay_for_no_manifest_and_no_config_reads(tmp_p
         (MatmulLog, "observe"),
         (ModuleStack, "_before"),
         (SavedActivations, "counting"),
+        (ErrorProbe, "_pre"),  # each matmul's error: its hooks, and the measured steps
+        (MatmulErrors, "_measuring"),
     ):
         monkeypatch.setattr(cls, name, counted(getattr(cls, name), "manifest"))
     train_step, flush = Trainer.train_step, Trainer._flush

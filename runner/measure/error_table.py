@@ -34,40 +34,36 @@ class MatmulErrors:
             )
         self.model, self.precision, self.every = model, precision, every
         self.records: list[dict] = []
-        self._shown: tuple[list[dict], int] | None = None
 
-    def at(self, step: int, audited: bool) -> contextlib.AbstractContextManager:
-        """Around optimizer step `step`: measured where it is audited or every `every` steps;
-        elsewhere nothing at all."""
+    def around(self, meter, audit: tuple) -> contextlib.AbstractContextManager:
+        """The training step's context: `meter.audited(*audit)` (runner/train/telemetry.py), and
+        where the step (`audit`'s last) is audited or one of every `every`, the measurement
+        inside it, its k worst modules printed under the audited step's manifest; elsewhere the
+        audit's context alone, nothing added."""
+        step, audited = audit[-1], meter.audit is None
         if audited or (self.every and step % self.every == 0):
-            return self._measuring(step, audited)
-        return contextlib.nullcontext()
+            return self._measuring(meter.audited(*audit), step, audited)
+        return meter.audited(*audit)
 
     @contextlib.contextmanager
-    def _measuring(self, step: int, audited: bool):
+    def _measuring(self, outer: contextlib.AbstractContextManager, step: int, audited: bool):
         fp8 = self.precision.fp8
         converted = bool(fp8 and fp8.active)
         probe = ErrorProbe(self.model, step, converted, not self.precision.sharded)
-        with torch.compiler.set_stance("force_eager"), probe:  # hooks: eagerly, as the audit
-            yield
-        records = probe.records()
-        self.records += records
+        with outer:
+            with torch.compiler.set_stance("force_eager"), probe:  # hooks: eagerly, as the audit
+                yield
+            records = probe.records()
+            self.records += records
         if audited:
-            self._shown = (records, step)
+            show(records, step)
 
-    def show(self) -> None:
-        """After an audited step: its k worst modules (once)."""
-        if self._shown is not None:
-            show(*self._shown)
-            self._shown = None
-
-    def summary(self) -> dict:
-        return {"matmul_error": self.records} if self.records else {}
-
-    def log(self, log) -> None:
-        """The table for the tracker (`log`: the run's RunLog)."""
-        if self.records:
-            log.log_table("matmul_error", COLUMNS, table_rows(self.records))
+    def report(self, log) -> dict:
+        """summary.json's `matmul_error`; the same table for the tracker (`log`: the RunLog)."""
+        if not self.records:
+            return {}
+        log.log_table("matmul_error", COLUMNS, table_rows(self.records))
+        return {"matmul_error": self.records}
 
 
 def table_rows(records: list[dict]) -> list[list]:

@@ -126,10 +126,8 @@ class Trainer:
                 health = (self.task, window, self.precision, self.dist, self._to_device)
                 probe = functools.partial(window_health, *health)  # fp16's, when audited
                 audit = (probe, self.precision.counting, self.precision.mode, self.step + 1)
-                errors = self.errors.at(self.step + 1, self.meter.audit is None)
-                with self.meter.audited(*audit), errors:
+                with self.errors.around(self.meter, audit):  # each matmul's error, if due
                     stepped = self.train_step(window)
-                self.errors.show()  # under the audited step's manifest
                 if stepped is not None:
                     self.step += 1
                     self.samples_seen += self.meter.record(
@@ -264,7 +262,6 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "final_loss_scale": self.precision.loss_scale,
             **self.meter.summary(),
-            **self.errors.summary(),
             **self.evaluation.summary(),
             **({"resumed_across_precision": self.conversion} if self.conversion else {}),
         }
