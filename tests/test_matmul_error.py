@@ -194,3 +194,10 @@ def test_the_comparison_names_each_rows_worst_layer(tmp_path):
         "net.3 wgrad 16.6 dB",
         "—",
     ]
+
+
+def test_a_negative_error_every_n_steps_is_one_error(tmp_path):
+    from runner.errors import UserError
+
+    with pytest.raises(UserError, match="precision.error_every_n_steps=-1 is invalid"):
+        run(make_cfg(*TINY_MLP, "precision.error_every_n_steps=-1"), tmp_path)
