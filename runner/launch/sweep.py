@@ -120,7 +120,7 @@ def _has_result(job: SweepJob) -> bool:
 
 def _final_states(jobs: list[SweepJob], patience_s: float = 15.0) -> None:
     """Each job's state as accounting records it (it lags the queue by a moment); where it does
-    not answer, the last state the queue showed, or LOST."""
+    not answer, the last state the queue showed (CANCELLED where that was PENDING), or LOST."""
     if not jobs:
         return
     deadline = time.monotonic() + patience_s
@@ -132,7 +132,12 @@ def _final_states(jobs: list[SweepJob], patience_s: float = 15.0) -> None:
             break
         time.sleep(1)
     for job in jobs:
-        job.state = found.get(job.submitted.job_id) or job.state or "LOST"
+        state = found.get(job.submitted.job_id)
+        if not state and job.state == "PENDING":
+            # A task of an array none of whose tasks has started yet, cancelled, leaves the
+            # queue at once, without a CANCELLED state there or a record in accounting.
+            state = "CANCELLED"
+        job.state = state or job.state or "LOST"
 
 
 def _outcome(job: SweepJob) -> JobReturn:

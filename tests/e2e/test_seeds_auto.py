@@ -4,6 +4,7 @@ rows still undecided, up to runner.max_seeds, and the comparison says what each 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from omegaconf import OmegaConf
@@ -69,3 +70,48 @@ def test_seeds_auto_and_its_cap_are_checked_before_anything_runs(tmp_path):
         proc = cli("-m", "precision=fp32,bf16", *TINY_MLP, *args, cwd=tmp_path)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("error: " + said), proc.stderr
+
+
+def test_seeds_auto_under_joblib_runs_each_round_through_its_workers(tmp_path):
+    """The same sweep through hydra/launcher=joblib (amp-runner's, hydra_plugins/), 2 workers:
+    each round a multirun of the joblib launcher in the same sweep folder."""
+    sweep = tmp_path / "sweep"
+    proc = cli(
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "precision=fp32,bf16_true,bf16",
+        *TINY_MLP,
+        "runner.seeds=auto",
+        "runner.max_seeds=4",
+        "compare.tolerance=1e-6",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=5",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both rounds through joblib's 2 workers: 9 jobs, then 2.
+    launched = re.findall(r"Joblib\.Parallel\(n_jobs=2\S*\) is launching (\d+) jobs", proc.stdout)
+    assert launched == ["9", "2"], proc.stdout[-3000:]
+    rows = {r["label"]: r for r in json.loads((sweep / "compare.json").read_text())}
+    assert {k: r["seeds"] for k, r in rows.items()} == {"fp32": 4, "bf16_true": 3, "bf16": 4}
+    assert {r["status"] for r in rows.values()} == {"completed"}
+    assert rows["bf16_true"]["seeds_stopped"] == "decided"
+    assert rows["bf16_true"]["verdict"].startswith("worse than fp32")
+    assert rows["bf16"]["seeds_stopped"] == (
+        "the cap, runner.max_seeds=4: its loss gap interval still open"
+    )
+    assert rows["fp32"]["seeds_stopped"] == "the baseline"
+    assert sorted(p.name for p in sweep.glob("[0-9]*")) == [str(i) for i in range(9)]
+    added = sorted(p.name for p in sweep.glob("seed3-*"))
+    assert added == ["seed3-0", "seed3-1"], sorted(p.name for p in sweep.iterdir())
+    ran = {}
+    for folder in added:
+        config = OmegaConf.load(sweep / folder / ".hydra" / "config.yaml")
+        ran[config.precision.mode] = config.seed
+    assert ran == {"fp32": 3, "bf16": 3}
+    md = (sweep / "compare.md").read_text()
+    assert "| 4: the cap, runner.max_seeds=4: its loss gap interval still open |" in md
+    assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
+    assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
