@@ -91,6 +91,7 @@ def main() -> None:
         while CompareCallback.next_round:
             seed, keep, sweep_dir = CompareCallback.next_round
             CompareCallback.next_round = None
+            CompareCallback.ran.add(seed)
             sys.argv[1:] = [*seed_round(args, seed, keep, sweep_dir), *launch]
             job()
     finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from runner.compare.stats import CONFIDENCE
+from runner.config.commandline import ROUND
 from runner.config.schema import AUTO_SEEDS
 
 if TYPE_CHECKING:
@@ -66,18 +67,39 @@ def stopped(groups: list[Group], settings: RunnerConfig) -> None:
         g.figures["more_seeds"] = g in more or g in bases
 
 
-def next_round(groups: list[Group]) -> tuple[int, dict[str, set[str]]] | None:
-    """The next round of an auto sweep, None where it is done: its seed (one past the sweep's
-    last) and, by key, the values the rows that run it set on their command lines (their jobs'
-    overrides), to which runner/config/commandline.py's seed_round narrows the sweep."""
+def next_round(groups: list[Group], ran: set[int]) -> tuple[int, dict[str, set[str]]] | None:
+    """The next round of an auto sweep, None where it is done: its seed and, by key, the values
+    to which runner/config/commandline.py's seed_round narrows the sweep. First, a later round
+    that this process has not run (`ran`) and some of whose jobs did not complete (a sweep run
+    again to complete it): the same jobs again (the values its own jobs set), so the completed
+    ones are read back and the rest run. Else one past the sweep's last seed, for the rows that
+    go on (`more_seeds`) and the values their jobs set on their command lines."""
+    jobs = [j for g in groups for j in g.jobs]
+    rounds: dict[int, list] = {}  # the later rounds' jobs, by seed
+    for j in jobs:
+        seed = j.config.get("seed")
+        if j.folder.name.startswith(ROUND.format(seed=seed)):
+            rounds.setdefault(seed, []).append(j)
+    unfinished = {
+        seed
+        for seed, members in rounds.items()
+        if any(j.summary.get("status") != "completed" for j in members)
+    }
+    if again := sorted(unfinished - ran):
+        return again[0], _keep(rounds[again[0]])
     rows = [g for g in groups if g.figures.get("more_seeds")]
     if not rows:
         return None
-    seed = 1 + max(j.config.get("seed", 0) for g in groups for j in g.jobs)
+    seed = 1 + max(j.config.get("seed", 0) for j in jobs)
+    return seed, _keep([j for g in rows for j in g.jobs])
+
+
+def _keep(jobs: list) -> dict[str, set[str]]:
+    """By key, the values `jobs` set on their command lines (their overrides), the seed aside."""
     keep: dict[str, set[str]] = {}
-    for job in (j for g in rows for j in g.jobs):
+    for job in jobs:
         for override in job.overrides:
             key, _, value = override.lstrip("+~").partition("=")
             if key != "seed":
                 keep.setdefault(key, set()).add(value)
-    return seed, keep
+    return keep

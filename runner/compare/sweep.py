@@ -190,14 +190,14 @@ def compare(
     wandb_log: bool = True,
     speed: str | None = None,
     target: dict | None = None,
-    look: bool = False,
+    look: set[int] | None = None,
 ) -> list[Group]:
     """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
     or interleaved; None: as the sweep's runner.speed says. `target`: compare.target,
     target_metric, target_direction over the sweep's own (runner/compare/target.py);
-    `tolerance`: over its compare.tolerance. `look`:
-    a look of a runner.seeds=auto sweep, which, where more seeds follow, is written and said in
-    a line a row, not shown or logged (runner/compare/seeds.py)."""
+    `tolerance`: over its compare.tolerance. `look`: the later rounds this process ran, where
+    this is a look of a runner.seeds=auto sweep, which, where a round follows, is written and
+    said in a line a row, not shown or logged (runner/compare/seeds.py)."""
     jobs = load_sweep(sweep_dir)
     settings = _settings(jobs)
     spec, tolerance = _target(jobs, (target or {}) | {"tolerance": tolerance})
@@ -210,7 +210,7 @@ def compare(
     analyse(groups, tolerance, timings, spec, seeds.level(settings))
     seeds.stopped(groups, settings)
     paths = report.write(groups, sweep_dir)
-    if look and any(g.figures.get("more_seeds") for g in groups):
+    if look is not None and seeds.next_round(groups, look) is not None:
         for g in groups:
             console.say(
                 f"seeds=auto: {g.label} ({len(g.jobs)} seeds): {g.figures['seeds_stopped']}"
@@ -227,6 +227,7 @@ class CompareCallback(Callback):
 
     failed_jobs = 0
     next_round: tuple | None = None  # runner.seeds=auto: (seed, values kept, the sweep folder)
+    ran: set[int] = set()  # the later rounds' seeds this process ran (runner/__main__.py)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from runner.train.distributed import from_env
@@ -238,8 +239,9 @@ class CompareCallback(Callback):
             jobs = load_sweep(sweep)
             CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
             given = OmegaConf.to_container(config.compare) if config.get("compare") else None
-            groups = compare(sweep, speed=config.runner.speed, target=given, look=True)
-            following = seeds.next_round(groups)
+            ran = CompareCallback.ran if config.runner.seeds == "auto" else None
+            groups = compare(sweep, speed=config.runner.speed, target=given, look=ran)
+            following = ran is not None and seeds.next_round(groups, ran)
             CompareCallback.next_round = following and (*following, str(sweep.absolute()))
             if following:
                 return

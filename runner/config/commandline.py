@@ -28,6 +28,7 @@ _HYDRA_INFO_FLAGS = (
     "-cd",
 )
 MAX_PREFLIGHT_JOBS = 64
+ROUND = "seed{seed}-"  # a runner.seeds=auto round's job folders: seed<S>-<job number>
 
 
 def one_line(e: BaseException) -> str:
@@ -154,7 +155,7 @@ def seed_round(args: list[str], seed: int, keep: dict[str, set[str]], sweep_dir:
                 values = [v for v in o.sweep_string_iterator() if v in keep[key]]
                 arg = f"{o.get_key_element()}={','.join(values)}"
         out.append(arg)
-    subdir = f"seed{seed}-${{hydra.job.num}}"
+    subdir = ROUND.format(seed=seed) + "${hydra.job.num}"
     return [*out, f"seed={seed}", f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}"]
 
 

@@ -3,7 +3,7 @@ tests/e2e/test_seeds_auto.py, each of its rounds a multirun submitted to SLURM (
 or run on the Ray head (`+launcher=ray`), in the same sweep folder. bf16_true is decided worse at
 3 seeds; bf16 runs to the cap (4) with fp32 beside it; the second round's jobs are in folders
 seed3-0 and seed3-1 and ran fp32 and bf16 only. A second-round job cancelled on SLURM is named
-CANCELLED (the same command does not run it again yet: a strict xfail)."""
+CANCELLED, and the same command runs it again, alone."""
 
 from __future__ import annotations
 
@@ -172,12 +172,6 @@ def test_seeds_auto_on_slurm_a_second_round_job_cancelled_is_named(cancelled):
     assert f"failed: SLURM job {job} CANCELLED" in (cancelled.sweep / "compare.md").read_text()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a job of a later seeds=auto round that did not complete is never run again: the "
-    "same command reads round 1 back, its look counts the lost job as a seed of its row (bf16: "
-    "4, the cap, 'unstable'), and no round follows (runner/compare/seeds.py's next_round)",
-)
 def test_seeds_auto_on_slurm_the_same_command_completes_a_cancelled_second_round(slurm, cancelled):
     """What the sweep said to do: the same command, which should submit the cancelled job alone
     (everything else read back) and end as the sweep that was not cancelled."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 from omegaconf import OmegaConf
@@ -56,6 +57,46 @@ def test_seeds_auto_adds_seeds_to_the_undecided_rows_and_says_why_each_stopped(t
     assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
     assert "bf16 (4 seeds, the cap, runner.max_seeds=4" in proc.stdout
     assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
+
+
+AUTO = [
+    "-m",
+    "precision=fp32,bf16_true,bf16",
+    *TINY_MLP,
+    "runner.seeds=auto",
+    "runner.max_seeds=4",
+    "compare.tolerance=1e-6",
+    "trainer.max_steps=20",
+    "trainer.val_check_interval=5",
+]
+
+
+def test_seeds_auto_run_again_completes_a_later_round_that_was_cut_short(tmp_path):
+    """The second round's bf16 job killed mid-run (its summary never written, its metrics cut
+    at step 8, no checkpoint): the sweep reports it; the same command runs that round again,
+    its fp32 job read back and the bf16 one run, and ends as the uninterrupted sweep did, loss
+    for loss. Once: a round this process ran already is not run again (a job that fails each
+    time does not loop)."""
+    sweep = tmp_path / "sweep"
+    first = cli(*AUTO, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cut = sweep / "seed3-1"
+    whole = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "summary.json").unlink()
+    (cut / "metrics.jsonl").write_text("\n".join(whole[:8]) + "\n")
+    shutil.rmtree(cut / "checkpoints")
+    again = cli(*AUTO, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stderr.replace("\n", "")  # the console wraps its lines at 80 columns
+    assert f"{sweep / 'seed3-0'}/checkpoints/last.pt is at step 20: the run had finished" in said
+    assert f"{cut}/checkpoints/last.pt is at step 20" not in said
+    losses = [
+        json.loads(line).get("loss") for line in (cut / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert losses == [json.loads(line).get("loss") for line in whole]  # every step, once
+    rows = {r["label"]: r for r in json.loads((sweep / "compare.json").read_text())}
+    assert {k: r["seeds"] for k, r in rows.items()} == {"fp32": 4, "bf16_true": 3, "bf16": 4}
+    assert {r["status"] for r in rows.values()} == {"completed"}
 
 
 def test_seeds_auto_and_its_cap_are_checked_before_anything_runs(tmp_path):
