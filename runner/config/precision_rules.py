@@ -9,6 +9,7 @@ from omegaconf import ListConfig
 
 from runner.config.rules import number, require
 from runner.config.schema import ADAPTER_DTYPES, BF16_UPDATES, CPU_KERNELS
+from runner.precision import recipe
 from runner.precision.modes import MODES, choices
 
 
@@ -51,6 +52,11 @@ def _validate_fp8(p) -> None:
     require(len(formats) <= 1, "precision.stages", [s.mode for s in p.stages], why)
     for key, unset, why in formats[0].ignored_fp8_keys if formats else ():
         require(p.fp8[key] == unset, f"precision.fp8.{key}", p.fp8[key], why)
+    if p.get("recipe") is not None:
+        converting = ", ".join(m for m in MODES if MODES[m].fp8)
+        why = f"a recipe chooses formats per Linear in a converting mode ({converting})"
+        require(bool(formats), "precision.recipe", p.recipe, why)
+        recipe.load(p.recipe, formats[0].compute, p.fp8.recipe)  # a bad file is one line
 
 
 def _validate_precision(p, t) -> None:

@@ -150,6 +150,10 @@ class PrecisionConfig:
     # Each matmul's measured error (runner/measure/matmul_error.py) on the audited step, and
     # every N optimizer steps where N > 0.
     error_every_n_steps: int = 0
+    # A converting mode's recipe: a YAML file of rules, a glob on module or class names → a format
+    # per direction (forward, input_grad, weight_grad), first match wins
+    # (runner/precision/recipe.py; docs/precision-modes.md#recipes). Null: the shorthands only.
+    recipe: str | None = None
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
     fp4: Fp4Config = field(default_factory=Fp4Config)  # precision=nvfp4, mxfp4
 

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from runner.measure.manifest_table import by_class, by_module
-from runner.measure.matmuls import WEIGHT_GRAD
+from runner.measure.matmuls import FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
 from runner.measure.memory import local
 from runner.measure.truth import short
 from runner.precision.fp32_islands import is_island
 from runner.precision.modes import mode_of
+from runner.precision.recipe import DIRECTIONS
 
 
 def digests(model: nn.Module) -> dict[str, tuple[float, float]]:
@@ -98,6 +99,24 @@ def _held(ran: str, planned: str) -> bool | None:
     return None if _RANK.get(ran, -1) > _RANK.get(planned, 9) else False
 
 
+def _by_rule(fp8, name: str, direction: str, mode, expected: str) -> tuple[str | None, str]:
+    """(planned, why) for a direction of a converted Linear: its recipe rule's format (a rule's
+    bf16 is autocast's arithmetic here: `expected`), the forward's for a recomputed forward."""
+    formats, rule = fp8.plan.get(name), fp8.rule_of.get(name)
+    if formats is None:  # converted by other means than the chooser (a test's)
+        return (mode.compute if direction != WEIGHT_GRAD else None), f"the plan converts {name}"
+    index = {FORWARD: 0, RECOMPUTE: 0, INPUT_GRAD: 1, WEIGHT_GRAD: 2}.get(direction)
+    if index is None:
+        return None, ""
+    fmt = formats[index]
+    planned = mode.compute if fmt not in ("bf16", "fp32") else expected if fmt == "bf16" else fmt
+    source = rule.source if rule else "the plan"
+    if fmt in ("bf16", "fp32"):
+        return planned, f"{source} keeps {name}'s {DIRECTIONS[index]} in {fmt}"
+    by = "" if source.endswith("'s default") else f" ({source})"
+    return planned, f"the plan converts {name} to {mode.name}{by}"
+
+
 def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
     """(mismatches, notes) of one audited step against the plan of its mode."""
     precision, mode = plan.precision, mode_of(stage["mode"])
@@ -116,9 +135,7 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
             why = f"the plan keeps {island} in fp32"
             planned = island_arithmetic
         elif fp8 and _linear_like(r["class"]) and name not in skipped:
-            why = f"the plan converts {name} to {mode.name}"
-            # the weight's gradient may be high precision (rowwise_with_gw_hp): fp8 or above
-            planned = mode.compute if r["direction"] != WEIGHT_GRAD else None
+            planned, why = _by_rule(fp8, name, r["direction"], mode, expected)
         elif fp8 and _linear_like(r["class"]):
             why = f"the plan leaves {name} out of {mode.name} ({skipped[name]})"
             planned = expected

@@ -29,6 +29,13 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and weight is not None and weight.ndim == 2
 
 
+def dims(linear: nn.Module) -> tuple[int, int]:
+    """A Linear's (in, out) features; a Conv1D's weight is stored (in, out)."""
+    if is_conv1d(linear):
+        return tuple(linear.weight.shape)
+    return linear.in_features, linear.out_features
+
+
 def as_linear(conv: nn.Module) -> nn.Linear:
     """The `nn.Linear` a `Conv1D` computes, for torchao to convert: its weight transposed (a new
     parameter, as trainable as the Conv1D's), its bias the Conv1D's own. It saves and loads its

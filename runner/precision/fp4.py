@@ -26,171 +26,75 @@ runs: the numerics are the hardware's, the speed is the emulation's."""
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.precision.fp4_mm import FP4_MM, _mm
-from runner.precision.fp4_quant import (
-    HADAMARD_SIZE,
-    Fp4Format,
-    Quantized,
-    hadamard,
-    quantize,
-)
+from runner.precision.fp4_mm import FP4_MM
+from runner.precision.fp4_quant import HADAMARD_SIZE, Fp4Format
+from runner.precision.fp4_rounding import Recipe, _matmul, high_mm, sr_seed
 from runner.precision.fp8 import Fp8Linears
 from runner.precision.layers import recomputing
+from runner.precision.recipe import HIGH
 
-# --- the recipe ----------------------------------------------------------------------------
-
-
-@dataclass
-class Recipe:
-    """One run's FP4 recipe: the format and its switches, the run's random Hadamard transform
-    and this rank's stochastic rounding generators (one per device, seeded from the seed and the
-    rank, their states checkpointed: `sr_state`), and the tiles' health counts (per module class
-    and tensor: blocks, saturated, underflow). Shared, not copied, by a deep copy of the model."""
-
-    fmt: Fp4Format
-    weight_2d: bool = True
-    rht: bool = True
-    sr: bool = True
-    quantize: bool = True  # off: the recipe's transforms without its rounding (tests)
-    seed: int = 0
-    rank: int = 0  # under DDP/FSDP each rank rounds with its own stream
-    counts: dict = field(default_factory=lambda: defaultdict(lambda: torch.zeros(3)))
-    _rht: Tensor | None = None
-    _generators: dict = field(default_factory=dict)
-    _saved: dict = field(default_factory=dict)  # a checkpoint's states, for devices not yet used
-
-    def __deepcopy__(self, memo) -> Recipe:
-        return self
-
-    def transform(self) -> Tensor:
-        if self._rht is None:
-            g = torch.Generator().manual_seed(self.seed)
-            signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=g).float() * 2 - 1
-            self._rht = hadamard(signs)
-        return self._rht
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The device's stochastic rounding generator: as a checkpoint left it, else seeded."""
-        key = str(device)
-        if key not in self._generators:
-            g = torch.Generator(device=device).manual_seed(sr_seed(self.seed, self.rank))
-            if (saved := self._saved.pop(key, None)) is not None:
-                g.set_state(saved)
-            self._generators[key] = g
-        return self._generators[key]
-
-    def sr_state(self) -> dict[str, Tensor]:
-        """The generators' states by device, for a checkpoint (runner/train/checkpoint.py)."""
-        return self._saved | {key: g.get_state() for key, g in self._generators.items()}
-
-    def load_sr_state(self, states: dict[str, Tensor]) -> None:
-        """A checkpoint's `sr_state` (this rank's): each device's generator continues from it."""
-        self._generators.clear()
-        self._saved = dict(states)
-
-    def q(self, x: Tensor, kind: str, tensor: str, tile=None, stochastic=False) -> Quantized:
-        """`x` quantized, its tiles' health counted under (module class, tensor)."""
-        if not self.quantize:
-            return _exact(x, tile or (1, self.fmt.block))
-        gen = self.generator(x.device) if stochastic else None
-        out = quantize(x, self.fmt, tile, stochastic, gen)
-        if not recomputing():
-            counts = torch.stack(
-                (
-                    torch.tensor(float(out.saturated.numel()), device=x.device),
-                    out.saturated.sum().float(),
-                    out.underflow.sum().float(),
-                )
-            )
-            key = (kind, tensor)
-            self.counts[key] = self.counts[key].to(x.device) + counts
-        return out
-
-    def rotate(self, t: Tensor) -> Tensor:
-        """H applied along the rows (tokens) of `t`, 16 at a time: the signs, then the fast
-        Walsh-Hadamard transform's butterflies (adds and subtracts, as a kernel fuses it into
-        the quantization: no matmul for the manifest to see), over 4."""
-        rows, cols = t.shape
-        signs = self.transform()[0].sign().to(t.device)  # Sylvester's first row is all ones
-        x = t.reshape(rows // HADAMARD_SIZE, HADAMARD_SIZE, cols) * signs[:, None]
-        h = 1
-        while h < HADAMARD_SIZE:
-            x = x.reshape(x.shape[0], HADAMARD_SIZE // (2 * h), 2, h, cols)
-            x = torch.stack((x[:, :, 0] + x[:, :, 1], x[:, :, 0] - x[:, :, 1]), dim=2)
-            h *= 2
-        return x.reshape(rows, cols) / HADAMARD_SIZE**0.5
-
-
-def sr_seed(seed: int, rank: int) -> int:
-    """The stochastic rounding generators' seed: rank 0's is one process's (seed + 1), the other
-    ranks' apart in their low 32 bits (all a CPU generator's Mersenne Twister keeps), by an odd
-    step (2³²/φ): no two ranks of a run draw the same stream."""
-    return seed + 1 + rank * 0x9E3779B9
-
-
-class _Exact(Quantized):
-    """Values kept as they are (Recipe.quantize off), for the transforms' own tests."""
-
-    def packed(self):
-        raise RuntimeError("exact values are not packed")
-
-
-def _exact(x: Tensor, tile) -> Quantized:
-    return _Exact(x.float(), torch.ones(1, 1), torch.ones(()), tile)
-
-
-def _matmul(a: Quantized, b: Quantized, roles: str) -> Tensor:
-    if isinstance(a, _Exact):
-        return a.codes @ b.codes.t()
-    return _mm(a, b, roles)
+LOW = ("fp4", "fp4", "fp4")  # every direction in the run's FP4 format
 
 
 class _Fp4Linear(torch.autograd.Function):
-    """The three GEMMs of an FP4 Linear (no bias): x (tokens × in), weight (out × in)."""
+    """The three GEMMs of an FP4 Linear (no bias): x (tokens × in), weight (out × in), each in
+    FP4 or, where the layer's recipe rule keeps its direction high, in bf16 or fp32 from the
+    unquantized operands (`formats`: forward, input_grad, weight_grad)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: Recipe, kind: str) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: Recipe, kind: str, formats=LOW) -> Tensor:
         block = recipe.fmt.block
         w_tile = (block, block) if recipe.weight_2d else (1, block)
-        qw = recipe.q(weight, kind, "weight", w_tile)
-        y = _matmul(recipe.q(x, kind, "input"), qw, "x,w")
+        quantized_w = recipe.weight_2d and formats[1] not in HIGH  # shared with input_grad
+        qw = (
+            recipe.q(weight, kind, "weight", w_tile)
+            if quantized_w or formats[0] not in HIGH
+            else None
+        )
+        if formats[0] in HIGH:
+            y = high_mm(x, weight, formats[0])
+        else:
+            y = _matmul(recipe.q(x, kind, "input"), qw, "x,w")
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.kind = recipe, kind
-        ctx.qw = qw if recipe.weight_2d else None
+        ctx.recipe, ctx.kind, ctx.formats = recipe, kind, formats
+        ctx.qw = qw if quantized_w else None
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight = ctx.saved_tensors
-        recipe, kind = ctx.recipe, ctx.kind
+        recipe, kind, (_, dgrad, wgrad) = ctx.recipe, ctx.kind, ctx.formats
         dy = dy.float()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and dgrad in HIGH:
+            dx = high_mm(dy, weight.t(), dgrad).to(x.dtype)
+        elif ctx.needs_input_grad[0]:
             qdy = recipe.q(dy, kind, "grad_output", stochastic=recipe.sr)
             qwt = ctx.qw.t() if ctx.qw is not None else recipe.q(weight.t(), kind, "weight")
             dx = _matmul(qdy, qwt, "dy,w").to(x.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and wgrad in HIGH:
+            dw = high_mm(dy.t(), x.t(), wgrad).to(weight.dtype)
+        elif ctx.needs_input_grad[1]:
             g, a = (recipe.rotate(dy), recipe.rotate(x.float())) if recipe.rht else (dy, x)
             qg = recipe.q(g.t(), kind, "grad_output", stochastic=recipe.sr)
             qa = recipe.q(a.t(), kind, "input")
             dw = _matmul(qg, qa, "dy,x").to(weight.dtype)
         ctx.qw = None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class Fp4Linear(nn.Linear):
     """An nn.Linear whose GEMMs compute in FP4 (emulated); the weights are the Linear's own."""
 
     recipe: Recipe
+    formats: tuple[str, str, str] = LOW  # per direction: FP4, or a recipe rule's bf16/fp32
     replaced: str = "Linear"  # the class of the module it replaced (health's module class)
 
     @torch.compiler.disable  # the emulation is there for its numerics, not its speed
@@ -200,7 +104,7 @@ class Fp4Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         with torch.autocast(device, enabled=False):
             flat = x.reshape(-1, x.shape[-1])
-            y = _Fp4Linear.apply(flat, self.weight, self.recipe, self.replaced)
+            y = _Fp4Linear.apply(flat, self.weight, self.recipe, self.replaced, self.formats)
             if self.bias is not None:
                 y = y + self.bias
         return y.to(out_dtype).reshape(*x.shape[:-1], -1)
@@ -214,7 +118,7 @@ class Fp4Linears(Fp8Linears):
 
     def __init__(self, cfg, fmt: Fp4Format):
         super().__init__(cfg)
-        self.fmt = fmt
+        self.fmt, self.compute = fmt, fmt.name
         self.alignment = max(fmt.block, HADAMARD_SIZE)
         self.recipe = Recipe(fmt)
         self.recipe_name = f"{fmt.name} emulated"
@@ -243,15 +147,15 @@ class Fp4Linears(Fp8Linears):
             for name, why in self.skipped.items()
         }
 
-    def _convert(self, model: nn.Module, chosen: set[str]) -> None:
-        for name in chosen:
+    def _convert(self, model: nn.Module, chosen: dict[str, tuple[str, str, str]]) -> None:
+        for name, formats in chosen.items():
             parent, _, child = name.rpartition(".")
             old = model.get_submodule(name)
             new = Fp4Linear(
                 old.in_features, old.out_features, bias=old.bias is not None, device="meta"
             )
             new.weight, new.bias = old.weight, old.bias
-            new.recipe = self.recipe
+            new.recipe, new.formats = self.recipe, formats
             setattr(model.get_submodule(parent) if parent else model, child, new)
         self._layer = Fp4Linear
 
@@ -291,7 +195,4 @@ class _Fp4Gemms(TorchDispatchMode):
         return out
 
 
-__all__ = [
-    "Fp4Linear",
-    "Fp4Linears",
-]
+__all__ = ["Fp4Linear", "Fp4Linears", "Recipe", "sr_seed"]

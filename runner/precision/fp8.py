@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import fnmatch
 import functools
 import importlib
 from collections.abc import Callable, Iterable, Iterator
@@ -22,17 +21,28 @@ from torch.utils.flop_counter import flop_registry
 
 from runner import console
 from runner.errors import UserError
-from runner.precision import layers
-from runner.precision.adapters import adapter_parameters
-from runner.precision.conversion import as_linear, carry, is_conv1d, nothing_converted
+from runner.precision import layers, shorthands
+from runner.precision.conversion import (
+    as_linear,
+    carry,
+    is_conv1d,
+    nothing_converted,
+)
+from runner.precision.conversion import (
+    dims as _dims,
+)
 from runner.precision.layers import recomputing
-from runner.task import Task
+from runner.precision.recipe import (
+    DIRECTIONS,
+    Rule,
+    chains,
+    defaults,
+    first_match,
+    float8_config,
+    unmatched,
+)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-FIRST, LAST = "first", "last"  # in `skip`: the model's first and last Linear layers
-ADAPTER = (
-    "a fine-tune's adapter (model.peft), left in autocast's dtype (precision.fp8.convert_adapters)"
-)
 
 
 def import_torchao(module: str, mode: str):
@@ -55,6 +65,7 @@ class Fp8Linears(abc.ABC):
 
     alignment = 16  # the dimensions (and a gradient GEMM's rows) the format's kernels need
     keys = "precision.fp8"  # where the chooser's keys are (fp4's: precision.fp4)
+    compute = "fp8"  # the format a rule names (the mode's compute)
 
     def __init__(self, cfg):
         self.recipe, self.patterns = cfg.recipe, list(cfg.skip)
@@ -62,6 +73,10 @@ class Fp8Linears(abc.ABC):
         self.keep_bf16 = cfg.keep_bf16.first, cfg.keep_bf16.last
         self.convert_adapters = cfg.convert_adapters
         self.skipped: dict[str, str] = {}
+        self.user_rules: list[Rule] = []  # precision.recipe's (runner/precision/recipe.py)
+        self.rules: list[Rule] = []  # the recipe in force, once the model is known
+        self.plan: dict[str, tuple[str, str, str]] = {}  # converted Linear → its directions
+        self.rule_of: dict[str, Rule] = {}  # converted Linear → the rule that chose it
         self.active = False
         self._model: nn.Module | None = None
         self._layer: type | None = None  # torchao's converted layer class, once imported
@@ -76,91 +91,70 @@ class Fp8Linears(abc.ABC):
         """A converted layer's low-precision forward on `x`, as the format's kernels take it."""
         return fp8_forward(x)
 
-    def _skip_reason(self, name: str, linear: nn.Module, order: list[str]) -> str | None:
-        if is_conv1d(linear):
-            dims = tuple(linear.weight.shape)
-        elif type(linear) is nn.Linear:
-            dims = linear.in_features, linear.out_features
-        else:
+    def _unfit(self, linear: nn.Module) -> str | None:
+        """Why the format cannot convert `linear` (its class, its dimensions), or None."""
+        if type(linear) is not nn.Linear and not is_conv1d(linear):
             return f"a {type(linear).__name__}, not a plain nn.Linear"
+        dims = _dims(linear)
         if any(d % self.alignment for d in dims):
             return f"dimensions {dims[0]}×{dims[1]} are not multiples of {self.alignment}"
-        if min(dims) < self.min_features:
-            return f"smaller than {self.keys}.min_features={self.min_features}"
-        for pattern in self.patterns:
-            if (pattern == FIRST and name == order[0]) or (pattern == LAST and name == order[-1]):
-                return f"the {pattern} Linear layer ({self.keys}.skip)"
-            if pattern not in (FIRST, LAST) and fnmatch.fnmatchcase(name, pattern):
-                return f"matches {pattern!r} ({self.keys}.skip)"
         return None
 
-    def _kept_blocks(self, model: nn.Module) -> dict[int, str]:
-        """id → reason, for the modules in the blocks precision.fp8.keep_bf16 leaves in bf16: the
-        first and last of the task's blocks (`Task.shard_units`, those FSDP shards one by one)."""
-        first, last = self.keep_bf16
-        if not first and not last:
-            return {}
-        blocks = model.shard_units() if isinstance(model, Task) else []
-        if not blocks:  # nvfp4's default keeps the last block: a model without blocks runs on
-            console.say(
-                f"note: {self.keys}.keep_bf16 keeps no block: the model has none "
-                "(no nn.ModuleList or nn.Sequential of blocks)"
-            )
-            return {}
-        if first + last > len(blocks):
-            raise UserError(
-                f"{self.keys}.keep_bf16: first={first} and last={last} blocks, but the model has "
-                f"{len(blocks)} (those FSDP shards: its longest nn.ModuleList or nn.Sequential)"
-            )
-        kept = {}
-        for i, block in enumerate(blocks):
-            end = FIRST if i < first else LAST if i >= len(blocks) - last else None
-            if end:
-                count = first if end == FIRST else last
-                why = f"in block {i} of {len(blocks)} ({self.keys}.keep_bf16.{end}={count})"
-                kept |= {id(m): why for m in block.modules()}
-        return kept
+    def default_formats(self) -> tuple[str, str, str]:
+        """The mode's default rule: every direction in its format (runner/precision/recipe.py's
+        `defaults`: rowwise_with_gw_hp's weight gradient in bf16)."""
+        fp8_recipe = self.recipe if self.compute == "fp8" else "tensorwise"
+        return tuple(defaults(self.compute, fp8_recipe).values())
 
     def prepare(self, model: nn.Module, islands: Iterable[nn.Module]) -> None:
-        """Converts every Linear not skipped: Linears inside fp32 islands stay high precision, a
-        fine-tune's adapters (model.peft) stay in autocast's dtype unless
-        precision.fp8.convert_adapters=true. GPT-2's `Conv1D` layers (Linears with the weight
-        stored transposed) are chosen by the same rules; a chosen one becomes a Linear first,
-        saved in the Conv1D's layout still. A converted layer keeps the trainability, hooks and
-        forward layers of the module it replaced (`carry`, runner/precision/conversion.py)."""
-        adapters = set() if self.convert_adapters else adapter_parameters(model)
-        # id → reason, by precedence: an island's, then keep_bf16's, then an adapter's
-        excluded = {
-            **{
-                id(m): ADAPTER
-                for m in model.modules()
-                if not adapters.isdisjoint(m.parameters(False))
-            },
-            **self._kept_blocks(model),
-            **{id(m): "inside an fp32 island" for island in islands for m in island.modules()},
-        }
+        """Converts each Linear by the first rule that matches it (runner/precision/recipe.py):
+        fp32 islands, then precision.recipe's rules, then the shorthands (keep_bf16 blocks, a
+        fine-tune's adapters unless precision.fp8.convert_adapters=true, min_features, skip),
+        then the mode's default; a rule that keeps every direction high leaves the Linear out,
+        as does a Linear the format cannot take (its class, its dimensions). GPT-2's `Conv1D`
+        layers (Linears with the weight stored transposed) are chosen by the same rules; a
+        chosen one becomes a Linear first, saved in the Conv1D's layout still. A converted
+        layer keeps the trainability, hooks and forward layers of the module it replaced
+        (`carry`, runner/precision/conversion.py)."""
+        unmatched(self.user_rules, model)
         linears = [
             (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)
         ]
-        order = [n for n, _ in linears]
-        chosen: dict[str, nn.Module] = {}
+        first_rules = shorthands.early(self, model, islands)
+        last_rules = shorthands.late(self, linears, _dims)
+        self.rules = first_rules + last_rules
+        chain_of = chains(model)
+        chosen: dict[str, tuple[str, str, str]] = {}
         for name, linear in linears:
-            if reason := excluded.get(id(linear)) or self._skip_reason(name, linear, order):
-                self.skipped[name] = reason
+            rule = first_match(self.rules, chain_of[name])
+            unfit = self._unfit(linear)
+            if rule.low() and not unfit:
+                chosen[name] = rule.formats
+                self.rule_of[name] = rule
             else:
-                chosen[name] = linear
+                early = rule in first_rules and not rule.low()
+                self.skipped[name] = rule.reason() if early or not unfit else unfit
+        self.plan = chosen
         self._model = model
+        console.say(f"recipe in force ({self.keys} shorthands expanded; first match wins):")
+        for rule in self.recipe_in_force():
+            console.console.print(f"  {rule}", soft_wrap=True, highlight=False, markup=False)
         if not chosen:
             return
-        for name, old in chosen.items():
+        originals = {name: model.get_submodule(name) for name in chosen}
+        for name, old in originals.items():
             if is_conv1d(old):
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, as_linear(old))
-        self._convert(model, set(chosen))
-        for name, old in chosen.items():
+        self._convert(model, chosen)
+        for name, old in originals.items():
             new = model.get_submodule(name)
             carry(old, new)
             layers.add(new, "fp8", self._switch)
+
+    def recipe_in_force(self) -> list[str]:
+        """Every rule in force, first match wins, the shorthands expanded."""
+        return [rule.describe() for rule in self.rules]
 
     def _converted(self) -> dict[str, nn.Module]:
         """The layers that are torchao's converted class (FSDP2 subclasses it), by name."""
@@ -190,6 +184,10 @@ class Fp8Linears(abc.ABC):
         the Linears left out, each with its reason."""
         converted = list(self._converted())
         report = {"recipe": self.recipe, "converted": converted, "skipped": self.skipped}
+        report["recipe_in_force"] = self.recipe_in_force()
+        report["directions"] = {
+            n: dict(zip(DIRECTIONS, f, strict=True)) for n, f in self.plan.items()
+        }
         if not converted:  # the mode is bf16 autocast by another name: said, not a silent 1.00×
             report["nothing_converted"] = nothing_converted(self.skipped)
         return report
@@ -216,19 +214,29 @@ class Float8(Fp8Linears):
         super().__init__(cfg)
         self._float8 = None  # torchao.float8, once imported (only where a layer is chosen)
 
-    def _convert(self, model: nn.Module, chosen: set[str]) -> None:
+    def _convert(self, model: nn.Module, chosen: dict[str, tuple[str, str, str]]) -> None:
+        """One torchao conversion per set of directions: the recipe's cast configs, with both
+        operands of each GEMM a rule keeps in bf16 `ScalingType.DISABLED` (torchao then runs
+        that GEMM on the high-precision operands)."""
         self._float8 = float8 = import_torchao("torchao.float8", "fp8")
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         if self.all_gather:
-            if self.recipe != "tensorwise":
+            if self.recipe != "tensorwise" or any(f[:2] != ("fp8", "fp8") for f in chosen.values()):
                 raise UserError(
                     "precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise "
-                    "(torchao gathers fp8 weights with one scale per tensor)"
+                    "(torchao gathers fp8 weights with one scale per tensor) and every converted "
+                    "Linear's forward and input_grad in fp8 (precision.recipe)"
                 )
             config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-        float8.convert_to_float8_training(
-            model, config=config, module_filter_fn=lambda _module, fqn: fqn in chosen
-        )
+        for formats in set(chosen.values()):
+            names = {n for n, f in chosen.items() if f == formats}
+            float8.convert_to_float8_training(
+                model,
+                config=float8_config(float8, config, formats),
+                module_filter_fn=lambda _module, fqn, names=names: fqn in names,
+            )
+            for name in names:  # its input's gradient multiplies the weight in bf16 (_compute)
+                model.get_submodule(name)._hp_weight = formats[1] != "fp8"
         self._layer = import_torchao("torchao.float8.float8_linear", "fp8").Float8Linear
         self._gemm_tensor = float8.Float8TrainingTensor
 
@@ -237,6 +245,12 @@ class Float8(Fp8Linears):
             # as torchao does under CUDA's autocast only: on a CPU the input stayed fp32
             # (rowwise_with_gw_hp's high-precision GEMM then met a bf16 gradient and failed)
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if getattr(layer, "_hp_weight", False) and x.dtype != layer.weight.dtype:
+            # a GEMM kept high takes the weight as it is: the bf16 gradient met the fp32
+            # weight in the input's gradient (backward runs outside autocast)
+            mm = import_torchao("torchao.float8.float8_linear", "fp8").matmul_with_hp_or_float8_args
+            y = mm.apply(x, layer.weight.to(x.dtype).t(), layer.linear_mm_config, layer.config)
+            return y if layer.bias is None else y + layer.bias.to(y.dtype)
         return fp8_forward(x)
 
     def after_step(self) -> None:

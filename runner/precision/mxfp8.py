@@ -24,6 +24,7 @@ class MXFP8(Fp8Linears):
     has MXFP8 units (sm_100+), its emulation elsewhere (a CPU; a GPU with allow_emulated)."""
 
     alignment = 32  # MXFP8's block: every GEMM's inner dimension is scaled in blocks of 32
+    compute = "mxfp8"
 
     def __init__(self, cfg, caps: DeviceCaps):
         super().__init__(cfg)
@@ -32,12 +33,15 @@ class MXFP8(Fp8Linears):
         self.recipe = "mxfp8_rceil" if self.native else "mxfp8_emulated_rceil"
         self._out_dtype: torch.dtype | None = None  # the recipe's, set at conversion
 
-    def _convert(self, model: nn.Module, chosen: set[str]) -> None:
+    def _convert(self, model: nn.Module, chosen: dict[str, tuple[str, str, str]]) -> None:
+        """Each chosen Linear an `MXFP8Linear`: its forward and input gradient in MXFP8 (torchao
+        switches neither alone), its weight's gradient in high precision where its rule keeps
+        that direction bf16 (`wgrad_with_hp`)."""
         config = import_torchao("torchao.prototype.moe_training.config", "mxfp8")
         linear = import_torchao("torchao.prototype.moe_training.mxfp8_linear", "mxfp8")
         recipe = config.MXFP8TrainingOpConfig.from_recipe(config.MXFP8TrainingRecipe(self.recipe))
         self._out_dtype = recipe.out_dtype
-        for name in chosen:
+        for name, formats in chosen.items():
             parent, _, child = name.rpartition(".")
             old = model.get_submodule(name)
             new = linear.MXFP8Linear(
@@ -47,7 +51,7 @@ class MXFP8(Fp8Linears):
                 device="meta",  # no weights of its own: it takes the Linear's
                 kernel_preference=recipe.kernel_preference,
                 scale_calculation_mode=recipe.scale_calculation_mode,
-                wgrad_with_hp=recipe.wgrad_with_hp,
+                wgrad_with_hp=recipe.wgrad_with_hp or formats[2] != "mxfp8",
             )
             new.weight, new.bias = old.weight, old.bias
             new.train(old.training)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from runner.errors import UserError
-from runner.precision import fp32_islands
+from runner.precision import fp32_islands, recipe
 from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.master import MasterWeights
@@ -53,6 +53,8 @@ class Precision:
         # fp8's (or mxfp8's) Linears are converted once; they compute so in its stages only
         fp8 = [mode_of(m) for m in modes if mode_of(m).fp8]  # one format (validation)
         self.fp8 = fp8[0].linears(cfg.fp8, self.caps) if fp8 else None
+        if self.fp8:  # precision.recipe's rules, ahead of the shorthands
+            self.fp8.user_rules = recipe.for_run(cfg, self.fp8.compute, self.caps)
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
         self.fast_kernels = FastKernels(emulated_dtypes(cfg.cpu_kernels, self.caps, modes))
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
