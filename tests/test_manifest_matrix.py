@@ -54,6 +54,7 @@ FEATURES = [
     "compile",
     "ddp",
     "fsdp",
+    "recipe",
 ]
 MODELS = ["net", "gpt2", "llama", "bert"]  # the user's net first: the cheapest wins ties
 RANKS = ("ddp", "fsdp")
@@ -93,6 +94,11 @@ REQUIRED = [
     ("fp16", "auto_islands", "net"),
     ("nvfp4", "lora", "gpt2"),  # Conv1D → Fp4Linear under LoRA: the fp8 defect's class
     ("mxfp4", "resume_other", "gpt2"),
+    # a recipe under each converting mode, on each model (GPT-2's Conv1D, Llama's RMSNorm)
+    ("fp8", "recipe", "bert"),
+    ("mxfp8", "recipe", "llama"),
+    ("nvfp4", "recipe", "gpt2"),
+    ("mxfp4", "recipe", "net"),
 ]
 
 
@@ -126,6 +132,10 @@ def refusal(mode: str, feature: str) -> str | None:
         return rf"precision.mode='{mode}' is invalid: with trainer.strategy=fsdp use precision="
     if feature == "auto_islands" and mode == "fp32":
         return "the fp32 islands search needs a low-precision mode: precision=fp32 computes in fp32"
+    if feature == "recipe" and mode not in CONVERTING:
+        return (
+            r"precision.recipe=.* is invalid: a recipe chooses formats per Linear in a converting"
+        )
     return None
 
 
@@ -323,8 +333,10 @@ def keep_bf16(mode: str) -> tuple[str, str]:
     return KEEP_BF16["fp4" if mode in FP4 else "fp8"]
 
 
-def feature_overrides(feature: str, model: str, mode: str) -> list[str]:
+def feature_overrides(feature: str, model: str, mode: str, folders) -> list[str]:
     freeze, _, island, _, _ = SPECS[model]
+    if feature == "recipe":
+        return [f"precision.recipe={recipe_file(folders, model, mode)}"]
     return {
         "none": [],
         "freeze": [f"model.freeze=[{freeze}]"],
@@ -347,12 +359,32 @@ def feature_overrides(feature: str, model: str, mode: str) -> list[str]:
     }.get(feature, [])
 
 
+# recipe: the direction each converting mode's rule keeps in bf16 on one Linear every converting
+# mode converts (mxfp8 switches weight_grad alone): the model's big Linear (SPECS' last), but
+# Llama's down_proj: up_proj's input gradient under mxfp8 (64 tokens × 32, the weight's shape;
+# MXTensor operands carry no role) is classified weight_grad by the manifest's shape rule
+RECIPE = {"fp8": "input_grad", "mxfp8": "weight_grad", "nvfp4": "weight_grad", "mxfp4": "forward"}
+
+
+def recipe_module(model: str) -> str:
+    return "net.model.layers.0.mlp.down_proj" if model == "llama" else SPECS[model][4]
+
+
+def recipe_file(folders, model: str, mode: str) -> Path:
+    """A one-rule recipe keeping RECIPE[mode] of the model's big Linear in bf16 (a converting
+    mode's; the others refuse any recipe), written beside the models."""
+    direction = RECIPE.get(mode, "weight_grad")
+    path = folders["reviews"] / f"recipe-{model}-{mode}.yaml"
+    path.write_text(f"- {{module: {recipe_module(model)}, {direction}: bf16}}\n")
+    return path
+
+
 def overrides(cell: tuple, folders, mode: str | None = None) -> list[str]:
     cell_mode, feature, model = cell
     return [
         *model_overrides(model, folders, evaluate=feature == "eval_precisions"),
         *mode_overrides(mode or cell_mode),
-        *feature_overrides(feature, model, mode or cell_mode),
+        *feature_overrides(feature, model, mode or cell_mode, folders),
     ]
 
 
@@ -772,7 +804,32 @@ def check_compile(cell, folders, out, monkeypatch) -> None:
     assert summary["compiled_graphs"] >= 1
 
 
+def check_recipe(cell, folders, out, monkeypatch) -> None:
+    """precision.recipe with one rule (recipe_file): the manifest (what the dispatcher saw) has
+    the rule's module run that direction high and its other two in the mode's format, the plan
+    held, and the module is the mode's converted class after preparation."""
+    mode, _, model = cell
+    name, direction = recipe_module(model), RECIPE[mode]
+    watch = Watch(monkeypatch)
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    assert name in summary["fp8"]["converted"], summary["fp8"]
+    assert converted_class(dict(watch.task.named_modules())[name])
+    mine = {}
+    for o in ops(summary):
+        if o["module"] == name and o["direction"] != "recompute":
+            mine.setdefault(o["direction"], set()).add(o["format"])
+    expected = {d: {mode} for d in ("forward", "input_grad", "weight_grad")}
+    assert set(mine) == set(expected), mine
+    assert mine[direction] <= {"bf16", "fp32"}, mine  # fp32: cpu_kernels=fast's bf16
+    assert {d: f for d, f in mine.items() if d != direction} == {
+        d: f for d, f in expected.items() if d != direction
+    }, mine
+    assert summary["fp8"]["directions"][name][direction] == "bf16"
+
+
 CHECKS = {
+    "recipe": check_recipe,
     "freeze": check_freeze,
     "lora": check_lora,
     "export": check_export,
