@@ -64,7 +64,8 @@ def identify(jobs: list[Job]) -> None:
     precision.* key splits rows inside a setting (each compared with the same fp32 baseline),
     any other key splits settings. A label names the precision and the values that vary: every
     key outside precision.*, and a precision.* key where it varies within some mode or this
-    job's command line set it (not staged's stages, which come with the mode)."""
+    job's command line set it (not staged's stages, which come with the mode; not one this job
+    leaves null, as fp32's and bf16's rows beside nvfp4's recipes); a recipe by its file name."""
     flats = [
         {
             k: v
@@ -91,19 +92,24 @@ def identify(jobs: list[Job]) -> None:
         shown = [
             k
             for k in varying
-            if not k.startswith("precision.") or k not in by_mode or k in _overridden(job)
+            if not k.startswith("precision.")
+            or k in _overridden(job)
+            or (k not in by_mode and flat.get(k) != "null")
         ]
         shown.sort(key=lambda k: k.startswith("precision."))  # the setting's keys first
         job.label = " ".join(
-            [job.precision, *(f"{k.rsplit('.', 1)[-1]}={_shown(flat.get(k))}" for k in shown)]
+            [job.precision, *(f"{k.rsplit('.', 1)[-1]}={_shown(flat.get(k), k)}" for k in shown)]
         )
 
 
-def _shown(value: str | None) -> str:
-    """A flattened value as a label shows it: strings bare, the rest as JSON."""
+def _shown(value: str | None, key: str = "") -> str:
+    """A flattened value as a label shows it: strings bare (precision.recipe's file by its
+    name), the rest as JSON."""
     if value is None:
         return "unset"
     loaded = json.loads(value)
+    if key == "precision.recipe" and isinstance(loaded, str):
+        return Path(loaded).name
     return loaded if isinstance(loaded, str) else value
 
 
