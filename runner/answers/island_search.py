@@ -42,9 +42,9 @@ RESULT_FILE = "islands.json"
 class Search:
     """One config's search: its data and initial weights built once, each trial a copy."""
 
-    def __init__(self, cfg: DictConfig, out: Path):
+    def __init__(self, cfg: DictConfig, out: Path, steps: int | None = None):
         self.cfg, self.out = cfg, out
-        self.steps = min(cfg.trainer.max_steps, cfg.runner.islands_steps)
+        self.steps = min(cfg.trainer.max_steps, steps or cfg.runner.islands_steps)
         self.device = resolve_device(cfg.trainer.device)
         precision = Precision(cfg.precision, self.device)
         precision.close()

@@ -222,6 +222,10 @@ class RunnerConfig:
     # this many modules kept fp32, and each trial run the first islands_steps optimizer steps.
     islands_max: int = 4
     islands_steps: int = 50
+    # The recipe search (python -m runner.recipe): at most recipe_max module × direction units
+    # kept in bf16, each verification run the first recipe_steps optimizer steps.
+    recipe_max: int = 6
+    recipe_steps: int = 200
     # Before training, the largest per-device micro-batch (and, for token data, the longest
     # sequence) that fits memory_budget_gb, measured (runner/answers/max_batch.py); training then
     # runs as configured.

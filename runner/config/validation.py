@@ -138,6 +138,8 @@ def _validate_runner(cfg: DictConfig) -> None:
         ("speed_steps", 1),
         ("islands_max", 1),
         ("islands_steps", 1),
+        ("recipe_max", 1),
+        ("recipe_steps", 1),
     ):
         if r[key] != "auto":
             require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")
