@@ -169,6 +169,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_candidates_and_exits_by_its_verdict(tmp_path):
     args = module_run(OUTLIERS, "precision=nvfp4", f"trainer.max_steps={STEPS}")
     found = _cli(
