@@ -74,7 +74,10 @@ def rank(records: list[dict], compute: str) -> list[dict]:
         direction = r["direction"]
         if compute == "mxfp8" and direction in DIRECTIONS[:2]:
             direction = "forward+input_grad"
-        sqnr = r["sqnr_db"] if isinstance(r["sqnr_db"], int | float) else math.inf
+        sqnr = (
+            r["sqnr_db"] if isinstance(r["sqnr_db"], int | float) else math.inf
+        )  # None: no signal
+        sqnr = -math.inf if math.isnan(sqnr) else sqnr  # a non-finite product: worst
         unit = {"module": r["module"], "direction": direction, "sqnr_db": sqnr}
         unit["underflow"] = _flushed(r)
         held = units.get((r["module"], direction))

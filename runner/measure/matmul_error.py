@@ -247,9 +247,12 @@ class ErrorProbe:
 
 
 def sqnr_db(signal: float, noise: float) -> float | None:
-    """10·log10(signal / noise); inf where nothing was lost, None where there is no signal."""
+    """10·log10(signal / noise); inf where nothing was lost, -inf where the run's product is
+    non-finite where fp32's is not (fp16's overflow), None where there is no signal."""
     if not signal > 0 or math.isnan(noise):
         return None if not signal > 0 else math.nan
+    if math.isinf(noise) and math.isfinite(signal):
+        return -math.inf
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
