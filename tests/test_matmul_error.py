@@ -18,6 +18,7 @@ from runner.run import run
 from tests.helpers import TINY_MLP, make_cfg
 from tests.test_fp4 import _gpt
 
+MEASURED = "precision.matmul_error=true"  # off by default
 BF16_BITS = 8  # significant bits, the implicit one included
 
 
@@ -130,7 +131,7 @@ def test_a_run_writes_every_matmuls_error_into_its_summary(mode, tmp_path, capsy
     """A 2-block GPT of width 32 (mxfp8 and mxfp4 blocks), 2 steps: one record per module and
     direction the manifest saw, a finite SQNR (fp32: none lost), the converted Linears in the
     mode's format; the 3 worst printed; summary.json holds the table."""
-    summary = run(make_cfg(*_gpt(f"precision={mode}", width=32)), tmp_path)
+    summary = run(make_cfg(MEASURED, *_gpt(f"precision={mode}", width=32)), tmp_path)
     records = summary["matmul_error"]
     pairs = {(r["module"], r["direction"]) for r in records}
     modules = {m for m, _ in _manifest_pairs(summary)}
@@ -162,7 +163,11 @@ def test_a_run_writes_every_matmuls_error_into_its_summary(mode, tmp_path, capsy
 def test_every_n_steps_measures_those_steps_too(tmp_path):
     summary = run(
         make_cfg(
-            *TINY_MLP, "trainer.max_steps=5", "precision=bf16", "precision.error_every_n_steps=2"
+            MEASURED,
+            *TINY_MLP,
+            "trainer.max_steps=5",
+            "precision=bf16",
+            "precision.error_every_n_steps=2",
         ),
         tmp_path,
     )
@@ -200,4 +205,4 @@ def test_a_negative_error_every_n_steps_is_one_error(tmp_path):
     from runner.errors import UserError
 
     with pytest.raises(UserError, match="precision.error_every_n_steps=-1 is invalid"):
-        run(make_cfg(*TINY_MLP, "precision.error_every_n_steps=-1"), tmp_path)
+        run(make_cfg(MEASURED, *TINY_MLP, "precision.error_every_n_steps=-1"), tmp_path)

@@ -400,5 +400,6 @@ def test_the_steps_after_the_audit_pay_for_no_manifest_and_no_config_reads(tmp_p
     monkeypatch.setattr(Trainer, "train_step", step)
     monkeypatch.setattr(Trainer, "_flush", flushing)
     overrides = ["trainer.max_steps=4", "trainer.benchmark.warmup_steps=1", "precision=fp16"]
+    overrides.append("precision.matmul_error=true")  # its probe on the audited step only
     run(make_cfg(*TINY_BERT, *overrides, "trainer.val_check_interval=0"), tmp_path)
     assert seen == {"config": 0, "manifest": 0, "hooks": 0, "dispatch": 0, "steady": 3}

@@ -159,7 +159,8 @@ def search(cfg: DictConfig, out: Path) -> dict:
     candidate passed."""
     s = RecipeSearch(cfg, out)
     (out / RECIPE_FILE).unlink(missing_ok=True)  # never a recipe these runs did not pass
-    summary, trainer = s.run("candidate 0")  # the mode as configured: it ranks the units
+    # the mode as configured, each matmul's error measured: it ranks the units
+    summary, trainer = s.run("candidate 0", matmul_error=True)
     ranked = rank(trainer.errors.records, s.compute)
     _, bf16 = s.run("bf16", mode="bf16", stages=[])
     reference = tail_loss(bf16.meter.rows)

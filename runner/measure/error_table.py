@@ -34,6 +34,8 @@ class MatmulErrors:
             )
         self.model, self.precision, self.every = model, precision, every
         self.records: list[dict] = []
+        # precision.matmul_error, read once; a throwaway trainer's (runner/train/session.py) never
+        self.enabled = bool(getattr(precision.cfg, "matmul_error", False))
 
     def around(self, meter, audit: tuple) -> contextlib.AbstractContextManager:
         """The training step's context: `meter.audited(*audit)` (runner/train/telemetry.py), and
@@ -41,6 +43,8 @@ class MatmulErrors:
         inside it, its k worst modules printed under the audited step's manifest; elsewhere the
         audit's context alone, nothing added."""
         step, audited = audit[-1], meter.audit is None
+        if not self.enabled or self.precision.sharded:  # FSDP: weights gathered per call
+            return meter.audited(*audit)
         if audited or (self.every and step % self.every == 0):
             return self._measuring(meter.audited(*audit), step, audited)
         return meter.audited(*audit)

@@ -67,6 +67,7 @@ class _Call:
         self.start: int | None = None  # the first autograd node its forward made
         self._dw: list = []  # the weight gradient's parts, where it reaches the weight twice
         self._parts = 0
+        self._owed = {INPUT_GRAD} if x.requires_grad else set()  # then let go of the operands
 
     def forward(self, y: Tensor) -> None:
         run = y.detach().reshape(-1, y.shape[-1]).float()
@@ -86,11 +87,22 @@ class _Call:
                 ref = self.dy.float() @ self.w.float()
             dx = dx.reshape(-1, dx.shape[-1])
             self.probe.add(self, INPUT_GRAD, dx, ref, (self.dy, self.w.t()))
+        self._settle(INPUT_GRAD)
+
+    def _settle(self, direction: str) -> None:
+        """Once both gradients are measured, the operands are let go: the step's memory holds
+        none of them longer than its own autograd does."""
+        self._owed.discard(direction)
+        if not self._owed:
+            self.x = self.dy = self.w = None
+            self._dw = []
 
     def hook_weight(self, output: Tensor, weight: Tensor) -> None:
         """Hooks the autograd nodes of this call that hand the weight its gradient."""
         edges = _weight_edges(output, weight, self.start)
         self._parts = len(edges)
+        if edges:
+            self._owed.add(WEIGHT_GRAD)
         for node, index in edges:
             node.register_hook(functools.partial(self._got_dw_part, index))
 
@@ -102,6 +114,7 @@ class _Call:
                 ref = self.x.float().t() @ self.dy.float()  # in × out, as autograd's order
             run = dw if self.conv1d else dw.t()
             self.probe.add(self, WEIGHT_GRAD, run, ref, (self.dy.t(), self.x.t()))
+            self._settle(WEIGHT_GRAD)
 
 
 def _next_node() -> int:

@@ -78,6 +78,7 @@ def trainer_timer(
     )
     trainer = Trainer(timing, task, data, precision, optimizers, schedulers, log, precision.device)
     trainer.checkpointer.save = lambda *args: None  # a timing keeps no last.pt
+    trainer.errors.enabled = False  # nor its matmuls' error: its memory and time are the run's
 
     def fit() -> dict:
         precision.in_force.set_matmuls()  # each variant's while it runs (TF32 is process-wide)
