@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from runner import console
+from runner.measure.autograd_edges import next_node, weight_edges
 from runner.measure.matmuls import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from runner.measure.quant_shares import ROLES, counts, operand_formats
 from runner.precision.conversion import is_conv1d
@@ -99,7 +100,7 @@ class _Call:
 
     def hook_weight(self, output: Tensor, weight: Tensor) -> None:
         """Hooks the autograd nodes of this call that hand the weight its gradient."""
-        edges = _weight_edges(output, weight, self.start)
+        edges = weight_edges(output, weight, self.start)
         self._parts = len(edges)
         if edges:
             self._owed.add(WEIGHT_GRAD)
@@ -115,36 +116,6 @@ class _Call:
             run = dw if self.conv1d else dw.t()
             self.probe.add(self, WEIGHT_GRAD, run, ref, (self.dy.t(), self.x.t()))
             self._settle(WEIGHT_GRAD)
-
-
-def _next_node() -> int:
-    """The sequence number the next autograd node made on this thread gets."""
-    with _disable_current_modes(), torch.enable_grad():
-        return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
-
-
-def _weight_edges(output: Tensor, weight: Tensor, start: int | None) -> list[tuple]:
-    """(node, input index) of each autograd node made since `start` whose input is the weight
-    itself (its gradient accumulator): what hands the weight this call's gradient, apart from any
-    other use of a weight tied to it."""
-    if start is None or output.grad_fn is None:
-        return []
-    with _disable_current_modes(), torch.enable_grad():
-        accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]
-    edges, todo, seen = [], [output.grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
-            continue
-        seen.add(node)
-        if node._sequence_nr() < start:
-            continue  # made before this call began: an input's
-        for index, (following, _) in enumerate(node.next_functions):
-            if following is accumulator:
-                edges.append((node, index))
-            else:
-                todo.append(following)
-    return edges
 
 
 class ErrorProbe:
@@ -184,7 +155,7 @@ class ErrorProbe:
         if not torch.is_grad_enabled():
             return None
         if self.weight_grads and module.weight.requires_grad:
-            call.start = _next_node()
+            call.start = next_node()
         if x.requires_grad:
             x = x.view_as(x)  # this module's own input gradient
             x.register_hook(call.got_dx)
