@@ -92,6 +92,7 @@ def test_shorthands_give_the_manifest_of_their_recipe(tmp_path):
     assert "{module: 'net.blocks.1.proj'" in short["fp8"]["recipe_in_force"][-2]
 
 
+@pytest.mark.slow  # the real command line, 6 processes of about 3.5 s
 @pytest.mark.parametrize(
     ("text", "message"),
     [

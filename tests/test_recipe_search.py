@@ -68,6 +68,7 @@ def gap(run_dir: Path, reference: Path) -> float:
     return (loss - ref) / ref
 
 
+@pytest.mark.slow  # a real search: 4 short runs and 2 trainings, about 11 s
 def test_the_search_keeps_the_outlier_layer_and_its_recipe_trains_within_tolerance(tmp_path):
     result = search(outliers(), tmp_path / "search")
     worst = result["ranked"][0]
