@@ -55,7 +55,7 @@ def run_sweep(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Com
     )
 
 
-def assert_auto_sweep(proc: subprocess.CompletedProcess, sweep: Path) -> None:
+def assert_auto_sweep(proc: subprocess.CompletedProcess, sweep: Path, first: bool = True) -> None:
     """What tests/e2e/test_seeds_auto.py asserts of the basic launcher's sweep."""
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["label"]: r for r in json.loads((sweep / "compare.json").read_text())}
@@ -81,7 +81,10 @@ def assert_auto_sweep(proc: subprocess.CompletedProcess, sweep: Path) -> None:
     md = (sweep / "compare.md").read_text()
     assert "| 4: the cap, runner.max_seeds=4: its loss gap interval still open |" in md
     assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
-    assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
+    if first:  # the first look said why a round followed (a rerun reads it back)
+        assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in (
+            proc.stderr
+        )
 
 
 def test_seeds_auto_on_slurm_submits_each_round_to_the_cluster(slurm, tmp_path):
@@ -176,6 +179,6 @@ def test_seeds_auto_on_slurm_the_same_command_completes_a_cancelled_second_round
     """What the sweep said to do: the same command, which should submit the cancelled job alone
     (everything else read back) and end as the sweep that was not cancelled."""
     rerun = run_sweep(cancelled.args, slurm.env, cancelled.sweep.parent)
-    submitted = re.findall(r"^(#\d+ .*): SLURM job \d+_\d+$", rerun.stderr, re.M)
+    submitted = re.findall(r"^(#\d+ .*): SLURM job \d+(?:_\d+)?$", rerun.stderr, re.M)
     assert submitted == ["#1 precision=bf16"], rerun.stderr[-3000:]
-    assert_auto_sweep(rerun, cancelled.sweep)
+    assert_auto_sweep(rerun, cancelled.sweep, first=False)
