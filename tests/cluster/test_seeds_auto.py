@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import TINY_MLP
+from tests.e2e.test_seeds_auto import AUTO
 
 from .conftest import finish, wait_until
 
@@ -33,15 +33,6 @@ SLURM = [
     "hydra.launcher.mem_gb=1",
 ]
 QUIET = {"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-AUTO = [
-    "precision=fp32,bf16_true,bf16",
-    *TINY_MLP,
-    "runner.seeds=auto",
-    "runner.max_seeds=4",
-    "compare.tolerance=1e-6",
-    "trainer.max_steps=20",
-    "trainer.val_check_interval=5",
-]
 
 
 def run_sweep(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
