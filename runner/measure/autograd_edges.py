@@ -1,7 +1,10 @@
-"""The autograd graph as the matmul-error probe (runner/measure/matmul_error.py) reads it: the
-nodes one module call made, and those of them that hand a weight its gradient."""
+"""The autograd graph as the audit reads it: the nodes one module call made (ModuleStack's
+owners, runner/measure/module_stack.py), and those of them that hand a weight its gradient (the
+matmul-error probe's, runner/measure/matmul_error.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -22,7 +25,19 @@ def weight_edges(output: Tensor, weight: Tensor, start: int | None) -> list[tupl
         return []
     with _disable_current_modes(), torch.enable_grad():
         accumulator = weight.view_as(weight).grad_fn.next_functions[0][0]
-    edges, todo, seen = [], [output.grad_fn], set()
+    return [
+        (node, index)
+        for node in made_since([output.grad_fn], start)
+        for index, (following, _) in enumerate(node.next_functions)
+        if following is accumulator
+    ]
+
+
+def made_since(roots: list, start: int) -> Iterator:
+    """The autograd nodes reachable from `roots` that were made since sequence number `start`
+    (a module call's own: the walk stops at nodes made before it, an input's), each once;
+    gradient accumulators left out."""
+    todo, seen = list(roots), set()
     while todo:
         node = todo.pop()
         if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
@@ -30,9 +45,5 @@ def weight_edges(output: Tensor, weight: Tensor, start: int | None) -> list[tupl
         seen.add(node)
         if node._sequence_nr() < start:
             continue  # made before this call began: an input's
-        for index, (following, _) in enumerate(node.next_functions):
-            if following is accumulator:
-                edges.append((node, index))
-            else:
-                todo.append(following)
-    return edges
+        yield node
+        todo.extend(following for following, _ in node.next_functions)

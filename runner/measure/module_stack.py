@@ -13,6 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from runner.measure.autograd_edges import made_since
 from runner.measure.truth import short
 from runner.precision.layers import recomputing
 
@@ -106,19 +107,10 @@ class ModuleStack:
 
     def _own(self, name: str, start: int, output) -> None:
         """Claims for `name` the autograd nodes its forward made that no inner module claimed."""
-        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        seen = set()
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen or type(node).__name__ == "AccumulateGrad":
-                continue
-            seen.add(node)
-            if node._sequence_nr() < start:
-                continue  # made before this forward began: an input's
+        for node in made_since([t.grad_fn for t in _tensors(output)], start):
             if node not in self._owned:
                 self._owned[node] = name
                 self._handles.append(node.register_prehook(functools.partial(self._running, name)))
-            todo.extend(following for following, _ in node.next_functions)
 
     def _running(self, name: str, _grad_outputs) -> None:
         self.backward = name

@@ -131,6 +131,16 @@ def test_seeds_auto_under_joblib_runs_each_round_through_its_workers(tmp_path):
         "the cap, runner.max_seeds=4: its loss gap interval still open"
     )
     assert rows["fp32"]["seeds_stopped"] == "the baseline"
+    assert_second_round(sweep)
+    md = (sweep / "compare.md").read_text()
+    assert "| 4: the cap, runner.max_seeds=4: its loss gap interval still open |" in md
+    assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
+    assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
+
+
+def assert_second_round(sweep) -> list[str]:
+    """The first round in folders 0..8; the second in folders of its own, fp32's and bf16's
+    seed 3. Returns those folders."""
     assert sorted(p.name for p in sweep.glob("[0-9]*")) == [str(i) for i in range(9)]
     added = sorted(p.name for p in sweep.glob("seed3-*"))
     assert added == ["seed3-0", "seed3-1"], sorted(p.name for p in sweep.iterdir())
@@ -139,7 +149,4 @@ def test_seeds_auto_under_joblib_runs_each_round_through_its_workers(tmp_path):
         config = OmegaConf.load(sweep / folder / ".hydra" / "config.yaml")
         ran[config.precision.mode] = config.seed
     assert ran == {"fp32": 3, "bf16": 3}
-    md = (sweep / "compare.md").read_text()
-    assert "| 4: the cap, runner.max_seeds=4: its loss gap interval still open |" in md
-    assert "| 3: decided |" in md and "loss gap [97.5% CI]" in md
-    assert "seeds=auto: bf16 (3 seeds): undecided: its loss gap interval still open" in proc.stderr
+    return added
