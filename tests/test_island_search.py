@@ -214,11 +214,13 @@ def test_bad_values_are_one_clear_line(override, message):
         validate(loud(override))
 
 
-def test_the_command_prints_the_trials_and_writes_islands_json(tmp_path):
+@pytest.mark.parametrize("command", ["runner.islands", "runner.recipe"])
+def test_the_command_prints_the_trials_and_writes_islands_json(tmp_path, command):
+    """python -m runner.islands, and python -m runner.recipe's fp16 case, which it is."""
     out = tmp_path / "search"
     args = [*module_run(LOUD, "precision=fp16", *SHORT), f"hydra.run.dir={out}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "runner.islands", *args],
+        [sys.executable, "-m", command, *args],
         cwd=tmp_path,
         env=os.environ | {"PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -230,14 +232,14 @@ def test_the_command_prints_the_trials_and_writes_islands_json(tmp_path):
     assert "| fp16 run (trial-0) | none | stops at step 3" in proc.stdout
     assert json.loads((out / "islands.json").read_text())["found"]
     bad = subprocess.run(
-        [sys.executable, "-m", "runner.islands", "-m", *args],
+        [sys.executable, "-m", command, "-m", *args],
         cwd=tmp_path,
         env=os.environ | {"PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: python -m runner.islands searches")
+    assert bad.returncode == 2 and bad.stderr.startswith(f"error: python -m {command} searches")
 
 
 def test_an_auto_job_is_timed_again_with_the_islands_its_search_found(tmp_path, monkeypatch):

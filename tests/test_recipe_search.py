@@ -192,7 +192,7 @@ def test_the_command_prints_the_candidates_and_exits_by_its_verdict(tmp_path):
     assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith("no small set: ")
     assert not (tmp_path / "b" / "recipe.yaml").exists()
     for bad, words in (
-        (["precision=fp16"], "error: python -m runner.recipe searches one converting mode: "),
+        (["precision=fp32"], "error: the fp32 islands search needs a low-precision mode: "),
         (["-m", "precision=nvfp4,mxfp4"], "error: python -m runner.recipe searches one config"),
     ):
         proc = _cli(*module_run(OUTLIERS, *bad), f"hydra.run.dir={tmp_path / 'c'}", cwd=tmp_path)

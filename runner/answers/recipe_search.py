@@ -47,10 +47,9 @@ def check(cfg: DictConfig) -> str:
     mode = cfg.precision.mode
     if mode not in MODES or cfg.precision.stages:
         staged = " with precision.stages" if cfg.precision.stages else ""
-        hint = " (fp16's fp32 islands: python -m runner.islands)" if mode == "fp16" else ""
         raise UserError(
             f"python -m runner.recipe searches one converting mode: precision={mode}{staged} is "
-            f"invalid: allowed: {', '.join(MODES)}, without stages{hint}"
+            f"invalid: allowed: {', '.join(MODES)}, without stages"
         )
     if cfg.precision.recipe:
         raise UserError(
