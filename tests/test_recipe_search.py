@@ -104,7 +104,7 @@ def test_no_small_set_writes_no_recipe(tmp_path):
     (tmp_path / "recipe.yaml").write_text("rules: []\n")  # a stale one goes too
     result = search(cfg, tmp_path)
     assert not result["found"] and len(result["candidates"]) == 2
-    assert result["verdict"].startswith("no small set: nvfp4 stays more than 0% from bf16's")
+    assert result["verdict"].startswith("no small set: nvfp4 stays more than 0.0001% from bf16's")
     assert not (tmp_path / "recipe.yaml").exists()
     assert json.loads((tmp_path / "recipe_search.json").read_text())["found"] is False
 
@@ -183,7 +183,7 @@ def test_the_command_prints_the_candidates_and_exits_by_its_verdict(tmp_path):
     assert (tmp_path / "a" / "recipe.yaml").is_file()
     none = _cli(
         *args,
-        "runner.recipe_steps=4",
+        "runner.recipe_steps=8",
         "runner.recipe_max=1",
         "compare.tolerance=1e-6",
         f"hydra.run.dir={tmp_path / 'b'}",

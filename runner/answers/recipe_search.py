@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig
 
-from runner.answers.island_search import Search
+from runner.answers.island_search import Search, percent
 from runner.errors import UserError
 from runner.measure import projection
 from runner.measure.gpus import gpu_names
@@ -145,7 +145,7 @@ class RecipeSearch:
             "final_loss": summary["final_loss"],
             "tail_loss": loss,
             "loss_gap": gap,
-            "passes": not stopped and math.isfinite(gap) and abs(gap) <= self.tolerance,
+            "passes": not stopped and math.isfinite(gap) and gap <= self.tolerance,
             "converted_flop_share": (summary.get("fp8_flops_per_step") or 0) / flops
             if flops
             else None,
@@ -196,13 +196,13 @@ def search(cfg: DictConfig, out: Path) -> dict:
         result["recipe"] = str(recipe)
         kept = ", ".join(found["kept_bf16"]) or "nothing"
         result["verdict"] = (
-            f"{cfg.precision.mode} trains within {s.tolerance:.0%} of bf16 keeping {kept} in bf16 "
-            f"({_pct(found['converted_flop_share'])} of the FLOPs in {cfg.precision.mode}; loss gap "
+            f"{cfg.precision.mode} trains within {_tolerance(s.tolerance)} of bf16 keeping {kept} in bf16 "
+            f"({percent(found['converted_flop_share'])} of the FLOPs in {cfg.precision.mode}; loss gap "
             f"{found['loss_gap']:+.2%}): precision.recipe={recipe}"
         )
     else:
         result["verdict"] = (
-            f"no small set: {cfg.precision.mode} stays more than {s.tolerance:.0%} from bf16's loss "
+            f"no small set: {cfg.precision.mode} stays more than {_tolerance(s.tolerance)} from bf16's loss "
             f"with up to {len(candidates) - 1} unit(s) kept in bf16 (runner.recipe_max="
             f"{cfg.runner.recipe_max}, {len(ranked)} ranked)"
         )
@@ -210,15 +210,15 @@ def search(cfg: DictConfig, out: Path) -> dict:
     return result
 
 
-def _pct(share: float | None) -> str:
-    return "?" if share is None else f"{share:.1%}"
+def _tolerance(tolerance: float) -> str:
+    return f"{100 * tolerance:g}%"  # 2%, 0.5%
 
 
 def _header(result: dict, found: dict) -> str:
     """recipe.yaml's comments: how it was found, each candidate's gap, share and speed."""
     lines = [
         f"# precision={result['precision']}: found by python -m runner.recipe, {result['steps']} "
-        f"steps a run, tolerance {result['tolerance']:.0%} of bf16's mean loss over the last "
+        f"steps a run, tolerance {_tolerance(result['tolerance'])} of bf16's mean loss over the last "
         f"{TAIL:.0%} of the steps; apply with the same overrides and precision.recipe=THIS_FILE",
     ]
     for c in result["candidates"]:
@@ -226,7 +226,7 @@ def _header(result: dict, found: dict) -> str:
         lines.append(
             f"# candidate {c['k']} ({'passes' if c['passes'] else 'fails'}): kept in bf16: "
             f"{', '.join(c['kept_bf16']) or 'nothing'}; loss gap {c['loss_gap']:+.2%}; "
-            f"{_pct(c['converted_flop_share'])} of FLOPs in {result['precision']}; "
+            f"{percent(c['converted_flop_share'])} of FLOPs in {result['precision']}; "
             f"projected vs bf16 (estimate): {speed}"
         )
     return "\n".join(lines) + "\n"
