@@ -276,3 +276,39 @@ def test_the_fp32_evaluation_of_a_users_net_records_its_linears(tmp_path):
     evaluation = summary["precision_manifest"]["evaluation"]["fp32"]["modules"]
     assert set(evaluation) == LINEARS
     assert {o["format"] for entry in evaluation.values() for o in entry["ops"]} == {"fp32"}
+
+
+class UpProjection(nn.Module):
+    """Llama's MLP in small between a first Linear and a last block: an up-projection (32 → 64,
+    its weight 64 × 32) and a down-projection. At 64 rows a micro-batch the up-projection's input
+    gradient (64 × 32) has its weight's shape, as Llama's up_proj at 64 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Linear(8, 32)),
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)),
+            nn.Sequential(nn.Linear(32, 32)),
+        )
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "mxfp8", "nvfp4", "mxfp4"])
+def test_an_input_gradient_of_the_weights_shape_is_not_the_weights_gradient(tmp_path, mode):
+    """The up-projection's three matmuls, each its own direction in every mode: its input's
+    gradient takes the weight (a cast, a transpose or a quantized form of it: mxfp8's MXTensor
+    carries no role), whatever shape its output has."""
+    cfg = make_cfg(
+        *module_run(f"{__name__}.UpProjection", f"precision={mode}", "dataset.batch_size=64")
+    )
+    summary = run(cfg, tmp_path)
+    calls: dict[str, int] = {}
+    for o in ops(summary, prefix="net.blocks.1.0"):
+        calls[o["direction"]] = calls.get(o["direction"], 0) + o["calls"]
+    assert calls == {"forward": 1, "input_grad": 1, "weight_grad": 1}
+    if mode != "bf16":  # the up-projection converts, and computes each direction in the format
+        assert {o["format"] for o in ops(summary, prefix="net.blocks.1.0")} == {mode}
+    assert summary["plan_held"] is True

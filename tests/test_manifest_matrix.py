@@ -360,14 +360,9 @@ def feature_overrides(feature: str, model: str, mode: str, folders) -> list[str]
 
 
 # recipe: the direction each converting mode's rule keeps in bf16 on one Linear every converting
-# mode converts (mxfp8 switches weight_grad alone): the model's big Linear (SPECS' last), but
-# Llama's down_proj: up_proj's input gradient under mxfp8 (64 tokens × 32, the weight's shape;
-# MXTensor operands carry no role) is classified weight_grad by the manifest's shape rule
+# mode converts (mxfp8 switches weight_grad alone): the model's big Linear (SPECS' last), Llama's
+# up_proj among them, whose input gradient at 64 tokens (64 × 32) has the weight's shape
 RECIPE = {"fp8": "input_grad", "mxfp8": "weight_grad", "nvfp4": "weight_grad", "mxfp4": "forward"}
-
-
-def recipe_module(model: str) -> str:
-    return "net.model.layers.0.mlp.down_proj" if model == "llama" else SPECS[model][4]
 
 
 def recipe_file(folders, model: str, mode: str) -> Path:
@@ -375,7 +370,7 @@ def recipe_file(folders, model: str, mode: str) -> Path:
     mode's; the others refuse any recipe), written beside the models."""
     direction = RECIPE.get(mode, "weight_grad")
     path = folders["reviews"] / f"recipe-{model}-{mode}.yaml"
-    path.write_text(f"- {{module: {recipe_module(model)}, {direction}: bf16}}\n")
+    path.write_text(f"- {{module: {SPECS[model][4]}, {direction}: bf16}}\n")
     return path
 
 
@@ -809,7 +804,7 @@ def check_recipe(cell, folders, out, monkeypatch) -> None:
     the rule's module run that direction high and its other two in the mode's format, the plan
     held, and the module is the mode's converted class after preparation."""
     mode, _, model = cell
-    name, direction = recipe_module(model), RECIPE[mode]
+    name, direction = SPECS[model][4], RECIPE[mode]
     watch = Watch(monkeypatch)
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)

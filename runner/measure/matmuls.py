@@ -21,21 +21,6 @@ from runner.precision.fp4_quant import format_of_scale
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "forward", "input_grad", "weight_grad", "recompute"
 _aten = torch.ops.aten
-# Ops whose output holds the values of their first operand: a weight stays a weight through them
-# (autocast's cast, a transpose, a view), so the matmul that takes it is found to take a weight.
-_SAME_VALUES = {
-    _aten._to_copy,
-    _aten.t,
-    _aten.transpose,
-    _aten.permute,
-    _aten.view,
-    _aten._unsafe_view,
-    _aten.reshape,
-    _aten.expand,
-    _aten.alias,
-    _aten.detach,
-    _aten.clone,
-}
 # Ops that move no memory on a GPU worth counting: they alias, allocate or read a scalar.
 _NO_TRAFFIC = {"_local_scalar_dense", "lift_fresh", "set_", "resize_", "record_stream"}
 # FP4 data packs two E2M1 values a byte: the projection counts values
@@ -95,10 +80,7 @@ class MatmulLog:
         cpu_kernels.COMPUTED.dtype = None  # what the fast CPU kernels hand PyTorch's, if they run
 
     def observe(self, func, args: tuple, kwargs: dict, out, flops: int | None) -> None:
-        if func._overloadpacket in _SAME_VALUES and args and isinstance(args[0], torch.Tensor):
-            if (owner := self.stack.weights.get(args[0])) is not None:
-                for t in _tensors(out):
-                    self.stack.weights[t] = owner
+        self._follow_weights(args, kwargs, out)
         if flops is None:
             self._tally(func, args, kwargs, out)
             return
@@ -114,6 +96,26 @@ class MatmulLog:
         entry[0] += 1
         entry[1] += flops
         self._shape(key, func, operands, out, flops)
+
+    def _follow_weights(self, args: tuple, kwargs: dict, out) -> None:
+        """An op whose operands (a 0-dim constant aside) all come from one weight alone makes
+        more of it: autocast's cast, a transpose or view, and each step that quantizes it (its
+        data and scales: mxfp8's MXTensor, which carries no role), so the matmul that takes it
+        is found to take a weight whatever its shape."""
+        owners = {self._owner(t) for t in _tensors((args, kwargs)) if t.ndim}
+        if len(owners) == 1 and None not in owners:
+            owner = owners.pop()
+            for t in _tensors(out):
+                self.stack.weights[t] = owner
+
+    def _owner(self, t: torch.Tensor) -> str | None:
+        """The module whose weight alone `t` comes from, if one does: a tensor subclass (torchao's
+        fp8 and MX tensors) by its parts."""
+        owner = self.stack.weights.get(t)
+        if owner is None and hasattr(t, "__tensor_flatten__"):
+            owners = {self._owner(getattr(t, name)) for name in t.__tensor_flatten__()[0]}
+            owner = owners.pop() if len(owners) == 1 else None
+        return owner
 
     def _shape(self, key: tuple, func, operands: list, out, flops: int) -> None:
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
@@ -197,7 +199,7 @@ class MatmulLog:
         if func._overloadpacket is _aten.convolution_backward:
             mask = args[-1] if isinstance(args[-1], list | tuple) else (True, True, True)
             return "+".join(d for d, on in ((INPUT_GRAD, mask[0]), (WEIGHT_GRAD, mask[1])) if on)
-        if any(a in self.stack.weights for a in operands):
+        if any(self._owner(a) is not None for a in operands):
             return INPUT_GRAD  # the weight is an operand: the gradient of the input
         if module is not None and isinstance(out, torch.Tensor):
             shapes = {tuple(p.shape) for p in module.parameters(recurse=False)}
