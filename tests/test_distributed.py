@@ -284,6 +284,15 @@ def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
     for a, b in zip(fsdp, one, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # Each matmul's measured error (on by default) under FSDP too: every module and direction
+    # one process measures, fp32's none lost.
+    errors = [
+        json.loads((tmp_path / d / "summary.json").read_text())["matmul_error"]
+        for d in ("fsdp", "one")
+    ]
+    pairs = [{(r["module"], r["direction"]) for r in e} for e in errors]
+    assert pairs[0] == pairs[1] and len(pairs[0]) > 6
+    assert all(float(r["sqnr_db"]) == float("inf") for r in errors[0])  # JSON's "inf"
     # A DCP set: each rank wrote its file, half of every sharded weight, together all of it.
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -150,9 +150,9 @@ class PrecisionConfig:
     # Each matmul's measured error (runner/measure/matmul_error.py) on the audited step, and
     # every N optimizer steps where N > 0.
     error_every_n_steps: int = 0
-    # Whether it is measured at all: off by default, since its fp32 references and quantized
-    # copies raise the measured step's peak memory (a run's peak, a max-batch search's fit).
-    matmul_error: bool = False
+    # Whether it is measured at all (on by default; its probe computes a block at a time, outside
+    # the step's accounting: the step's peak memory, FLOPs and projection are its own).
+    matmul_error: bool = True
     # A converting mode's recipe: a YAML file of rules, a glob on module or class names → a format
     # per direction (forward, input_grad, weight_grad), first match wins
     # (runner/precision/recipe.py; docs/precision-modes.md#recipes). Null: the shorthands only.

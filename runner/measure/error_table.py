@@ -43,7 +43,7 @@ class MatmulErrors:
         inside it, its k worst modules printed under the audited step's manifest; elsewhere the
         audit's context alone, nothing added."""
         step, audited = audit[-1], meter.audit is None
-        if not self.enabled or self.precision.sharded:  # FSDP: weights gathered per call
+        if not self.enabled:
             return meter.audited(*audit)
         if audited or (self.every and step % self.every == 0):
             return self._measuring(meter.audited(*audit), step, audited)
@@ -53,7 +53,7 @@ class MatmulErrors:
     def _measuring(self, outer: contextlib.AbstractContextManager, step: int, audited: bool):
         fp8 = self.precision.fp8
         converted = bool(fp8 and fp8.active)
-        probe = ErrorProbe(self.model, step, converted, not self.precision.sharded)
+        probe = ErrorProbe(self.model, step, converted)
         with outer:
             with torch.compiler.set_stance("force_eager"), probe:  # hooks: eagerly, as the audit
                 yield

@@ -16,23 +16,25 @@ How: module hooks installed for the measured step only, and removed after it. A 
 keeps the input and hands the module a view of it (whose gradient is this module's own input
 gradient); a forward hook compares the output, hooks it for dy, and hooks the autograd nodes of
 the call that hand the weight its gradient (this call's own, apart from any other use of a weight
-tied to it, as GPT-2's head is to its embedding). The fp32 products run outside the audit's
-dispatch modes, autocast and autograd: no FLOP, op or activation of the step's own accounting is
-theirs. Not measured: a forward that gradient checkpointing runs again (the first one is), and
-the weight's gradient where FSDP shards the weights."""
+tied to it, as GPT-2's head is to its embedding). Everything the probe computes runs outside the
+audit's dispatch modes, autocast and autograd, and a block of rows at a time
+(runner/measure/error_sums.py): no FLOP, op or activation of the step's own accounting (its
+manifest, projection) is the probe's, and its temporaries add at most a block's worth to the
+step's peak memory. Under FSDP the weight is the one the module's unit gathered (the whole one,
+gathered from the shards, where the unit has resharded it). Not measured: a forward that gradient
+checkpointing runs again (the first one is)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from runner import console
 from runner.measure.autograd_edges import next_node, weight_edges
+from runner.measure.error_sums import aside, product_sums
 from runner.measure.matmuls import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from runner.measure.quant_shares import ROLES, counts, operand_formats
 from runner.precision.conversion import is_conv1d
@@ -46,57 +48,57 @@ def matmul_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
 
 
-@contextlib.contextmanager
-def _aside(device: torch.device):
-    """Outside the step's own accounting: no dispatch mode (the audit's, fp8's FLOP counters),
-    no autograd, no autocast."""
-    with _disable_current_modes(), torch.no_grad(), torch.autocast(device.type, enabled=False):
-        yield
+def _weight(module: nn.Module) -> Tensor:
+    """The module's weight (out × in) as it holds it now: under FSDP the unsharded one its unit
+    gathered, or where the unit has resharded it, the whole weight gathered from the shards."""
+    weight = module.weight.detach()
+    if hasattr(weight, "full_tensor"):
+        weight = weight.full_tensor()
+    return weight.t() if is_conv1d(module) else weight
 
 
 class _Call:
-    """One call of a module in the measured step: its operands as they reached it."""
+    """One call of a module in the measured step: its operands as they reached it (its weight
+    read off the module when used: FSDP frees a gathered weight after its unit's forward)."""
 
     def __init__(self, probe: ErrorProbe, name: str, module: nn.Module, x: Tensor, formats):
-        self.probe, self.name, self.formats = probe, name, formats
-        weight = module.weight.detach()
+        self.probe, self.name, self.formats, self.module = probe, name, formats, module
         self.conv1d = is_conv1d(module)
-        self.w = weight.t() if self.conv1d else weight  # out × in
         self.x = x.detach().reshape(-1, x.shape[-1])
-        self.bias = None if module.bias is None else module.bias.detach()
         self.dy: Tensor | None = None
+        self.weight = module.weight  # the one the forward uses (FSDP: its unit's gathered one)
         self.start: int | None = None  # the first autograd node its forward made
-        self._dw: list = []  # the weight gradient's parts, where it reaches the weight twice
-        self._parts = 0
+        self._dw: Tensor | None = None  # the sum of the weight gradient's parts so far, in fp32
+        self._parts = self._seen = 0  # where this call hands the weight its gradient twice
         self._owed = {INPUT_GRAD} if x.requires_grad else set()  # then let go of the operands
 
     def forward(self, y: Tensor) -> None:
-        run = y.detach().reshape(-1, y.shape[-1]).float()
-        with _aside(run.device):
-            ref = self.x.float() @ self.w.float().t()
-            if self.bias is not None:  # the bias added as the layer adds it, then taken away
-                bias = self.bias.float()
-                run, ref = run - bias, torch.addmm(bias, self.x.float(), self.w.float().t()) - bias
-        self.probe.add(self, FORWARD, run, ref, (self.x, self.w))
+        w, bias = _weight(self.module), self.module.bias
+        bias = None if bias is None else bias.detach()
+        if hasattr(bias, "full_tensor"):
+            bias = bias.full_tensor()
+        run = y.detach().reshape(-1, y.shape[-1])
+        self.probe.add(self, FORWARD, product_sums(run, self.x, w, bias), (self.x, w))
 
     def got_dy(self, dy: Tensor) -> None:
-        self.dy = dy.detach().reshape(-1, dy.shape[-1])
+        with aside(dy.device):
+            self.dy = dy.detach().reshape(-1, dy.shape[-1])
 
     def got_dx(self, dx: Tensor) -> None:
-        if self.dy is not None:
-            with _aside(dx.device):
-                ref = self.dy.float() @ self.w.float()
-            dx = dx.reshape(-1, dx.shape[-1])
-            self.probe.add(self, INPUT_GRAD, dx, ref, (self.dy, self.w.t()))
-        self._settle(INPUT_GRAD)
+        with aside(dx.device):
+            if self.dy is not None:
+                w = _weight(self.module)
+                dx = dx.detach().reshape(-1, dx.shape[-1])
+                sums = product_sums(dx, self.dy, w.t())
+                self.probe.add(self, INPUT_GRAD, sums, (self.dy, w.t()))
+            self._settle(INPUT_GRAD)
 
     def _settle(self, direction: str) -> None:
         """Once both gradients are measured, the operands are let go: the step's memory holds
         none of them longer than its own autograd does."""
         self._owed.discard(direction)
         if not self._owed:
-            self.x = self.dy = self.w = None
-            self._dw = []
+            self.x = self.dy = None
 
     def hook_weight(self, output: Tensor, weight: Tensor) -> None:
         """Hooks the autograd nodes of this call that hand the weight its gradient."""
@@ -108,24 +110,33 @@ class _Call:
             node.register_hook(functools.partial(self._got_dw_part, index))
 
     def _got_dw_part(self, index: int, grad_inputs, _grad_outputs) -> None:
-        self._dw.append(grad_inputs[index])
-        if len(self._dw) == self._parts and self.dy is not None:
-            dw = sum(g.detach().float() for g in self._dw if g is not None)
-            with _aside(self.dy.device):
-                ref = self.x.float().t() @ self.dy.float()  # in × out, as autograd's order
-            run = dw if self.conv1d else dw.t()
-            self.probe.add(self, WEIGHT_GRAD, run, ref, (self.dy.t(), self.x.t()))
+        """A part of the weight's gradient; the last one measures their sum. No part the engine
+        hands on is held past its hook: AccumulateGrad takes a gradient nobody else holds as the
+        weight's .grad without a copy."""
+        self._seen += 1
+        part = grad_inputs[index]
+        if self.dy is None or part is None:
+            return
+        with aside(self.dy.device):
+            dw = part.detach() if self._dw is None else self._dw + part.detach().float()
+            if self._seen < self._parts:
+                self._dw = dw.float().clone()  # its own, not the engine's
+                return
+            self._dw = None
+            run = dw if self.conv1d else dw.t()  # in × out, as autograd's order
+            sums = product_sums(run, self.x.t(), self.dy.t())
+            self.probe.add(self, WEIGHT_GRAD, sums, (self.dy.t(), self.x.t()))
             self._settle(WEIGHT_GRAD)
 
 
 class ErrorProbe:
     """While entered, measures every matmul module's error (see the module's docstring); then
     `records()`. `converted`: whether converted Linears run in their format (a staged run's
-    other stages run them plain); `weight_grads`: off where weights are sharded (FSDP)."""
+    other stages run them plain)."""
 
-    def __init__(self, model: nn.Module, step: int, converted: bool, weight_grads: bool = True):
+    def __init__(self, model: nn.Module, step: int, converted: bool):
         self.model, self.step = model, step
-        self.converted, self.weight_grads = converted, weight_grads
+        self.converted = converted
         self.tallies: dict[tuple[str, str], dict] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
         self._handles: list = []
@@ -149,14 +160,16 @@ class ErrorProbe:
             return None
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        formats = operand_formats(module, autocast, self.converted)
-        call = _Call(self, name, module, x, formats)
+        grad = torch.is_grad_enabled()
+        with aside(x.device):
+            formats = operand_formats(module, autocast, self.converted)
+            call = _Call(self, name, module, x, formats)
         self._open.setdefault(module, []).append(call)
-        if not torch.is_grad_enabled():
+        if not grad:
             return None
-        if self.weight_grads and module.weight.requires_grad:
+        if module.weight.requires_grad:
             call.start = next_node()
-        if x.requires_grad:
+        if x.requires_grad:  # the step's own op: this module's input gradient
             x = x.view_as(x)  # this module's own input gradient
             x.register_hook(call.got_dx)
             return (x, *args[1:])
@@ -168,18 +181,16 @@ class ErrorProbe:
             return
         call = calls.pop()
         if isinstance(output, Tensor):
-            call.forward(output)
+            with aside(output.device):
+                call.forward(output)
             if output.requires_grad:
                 output.register_hook(call.got_dy)
-                call.hook_weight(output, module.weight)
+                call.hook_weight(output, call.weight)
 
-    def add(self, call: _Call, direction: str, run: Tensor, ref: Tensor, operands) -> None:
-        """One product's signal and noise, and its operands' counts."""
-        with _aside(ref.device):
-            noise = (run.float() - ref).double().square().sum()
-            signal = ref.double().square().sum()
-            computed, formats = call.formats[direction]
-            found = [counts(t, f) for t, f in zip(operands, formats, strict=True)]
+    def add(self, call: _Call, direction: str, sums: Tensor, operands) -> None:
+        """One product's signal and noise (`sums`), and its operands' counts (under `aside`)."""
+        computed, formats = call.formats[direction]
+        found = [counts(t, f) for t, f in zip(operands, formats, strict=True)]
         key = (call.name, direction)
         tally = self.tallies.get(key)
         if tally is None:
@@ -188,12 +199,12 @@ class ErrorProbe:
                 "class": type(self.model.get_submodule(call.name)).__name__,
                 "format": computed,
                 "formats": [f.name for f in formats],
-                "sums": torch.stack([signal, noise]),
+                "sums": sums,
                 "counts": found,
                 "calls": 1,
             }
             return
-        tally["sums"] = tally["sums"] + torch.stack([signal, noise])
+        tally["sums"] = tally["sums"] + sums
         tally["counts"] = [
             torch.cat([a[:3] + b[:3], torch.maximum(a[3:], b[3:])])
             for a, b in zip(tally["counts"], found, strict=True)

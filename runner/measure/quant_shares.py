@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runner.measure.error_sums import row_blocks
 from runner.measure.matmuls import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from runner.measure.truth import short
 from runner.precision.fp4 import Fp4Linear
@@ -141,15 +142,30 @@ def _rotated(t: Tensor, rotate) -> Tensor:
 
 def counts(t: Tensor, f: OperandFormat) -> Tensor:
     """[nonzero, flushed to zero, clamped, amax] of `t` (2-D, the inner dimension last) quantized
-    to `f`, as float64 on its device."""
-    t = t.detach().float()
-    if f.rotate is not None:
-        t = _rotated(t, f.rotate)
+    to `f`, as float64 on its device; a block of rows at a time (runner/measure/error_sums.py),
+    the tensor's amax first (a tensorwise scale's, nvfp4's tensor scale)."""
+    blocks = row_blocks(t.shape[0], t.shape[1], f.tile[0])
+    amax = torch.zeros((), device=t.device)
+    for rows in blocks:
+        amax = torch.maximum(amax, _block(t, rows, f).abs().amax())
+    found = torch.zeros(3, dtype=torch.float64, device=t.device)
+    for rows in blocks:
+        found += _counts(_block(t, rows, f), f, amax)
+    return torch.cat([found, amax.double().reshape(1)])
+
+
+def _block(t: Tensor, rows: slice, f: OperandFormat) -> Tensor:
+    """Rows of `t` in fp32, after the run's rotation where it has one."""
+    part = t[rows].detach().float()
+    return part if f.rotate is None else _rotated(part, f.rotate)
+
+
+def _counts(t: Tensor, f: OperandFormat, whole: Tensor) -> Tensor:
+    """[nonzero, flushed to zero, clamped] of a block `t` of the tensor whose amax is `whole`."""
     nonzero = t != 0
-    amax = t.abs().amax() if t.numel() else torch.zeros((), device=t.device)
     if f.fp4 is not None:
         rows, cols = f.tile
-        q = quantize(_padded(t, rows, cols), f.fp4, f.tile)
+        q = quantize(_padded(t, rows, cols), f.fp4, f.tile, whole=whole)
         scale = q.scales.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
         scale = (scale * q.tensor_scale.float())[: t.shape[0], : t.shape[1]]
         flushed = nonzero & ((q.codes[: t.shape[0], : t.shape[1]] & 7) == 0)
@@ -158,18 +174,17 @@ def counts(t: Tensor, f: OperandFormat) -> Tensor:
         flushed = clamped = torch.zeros_like(nonzero)
     else:
         largest = torch.finfo(f.dtype).max
-        scaled = t * _scale(t, f, largest)
+        scaled = t * _scale(t, f, largest, whole)
         clamped = scaled.abs() > largest
         flushed = nonzero & (scaled.clamp(-largest, largest).to(f.dtype) == 0)
-    return torch.stack(
-        [nonzero.sum(), flushed.sum(), clamped.sum(), amax.to(nonzero.device)]
-    ).double()
+    return torch.stack([nonzero.sum(), flushed.sum(), clamped.sum()]).double()
 
 
-def _scale(t: Tensor, f: OperandFormat, largest: float) -> Tensor | float:
-    """The factor the run multiplies the operand by before the cast: 1 for a plain cast."""
+def _scale(t: Tensor, f: OperandFormat, largest: float, whole: Tensor) -> Tensor | float:
+    """The factor the run multiplies the operand by before the cast (`whole`: its amax): 1 for a
+    plain cast."""
     if f.scaling == "tensorwise":
-        return largest / t.abs().amax().clamp(min=1e-12)
+        return largest / whole.clamp(min=1e-12)
     if f.scaling == "rowwise":
         return largest / t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
     if f.scaling == "block":

@@ -126,10 +126,13 @@ def quantize(
     tile: tuple[int, int] | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    whole: Tensor | None = None,
 ) -> Quantized:
     """`x` (2-D) in FP4 of `fmt`, one scale per `tile` (default: 1 × the format's block, along
     the rows' last dimension, a GEMM's inner one). Non-finite values make their tile's scale NaN,
-    so every value dequantized from it is NaN (the run's non-finite guard then sees the step)."""
+    so every value dequantized from it is NaN (the run's non-finite guard then sees the step).
+    `whole`: the amax of the tensor `x` is a block of rows of (nvfp4's tensor scale is the whole
+    tensor's; the matmul-error probe quantizes a block at a time); default x's own."""
     x = x.float()
     tile = tile or (1, fmt.block)
     tiles = _tiles(x, tile)
@@ -138,7 +141,7 @@ def quantize(
     if fmt is NVFP4:
         # torchao's nvfp4_quantize (two-level scaling): the block scale relative to the tensor's,
         # clamped to E4M3's normal range and rounded to it; values times the reciprocal
-        whole = x.abs().amax()
+        whole = x.abs().amax() if whole is None else whole
         tensor_scale = torch.where(whole > 0, whole / (E2M1_MAX * E4M3_MAX), torch.ones_like(whole))
         wanted = amax / E2M1_MAX / tensor_scale
         clamped = wanted > E4M3_MAX * CLIP_TOLERANCE  # past what rounds to 448
