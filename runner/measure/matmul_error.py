@@ -48,8 +48,8 @@ def matmul_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def _aside(device: torch.device):
-    """Outside the step's own accounting: no dispatch mode (the audit's, fp8's FLOP counters),
-    no autograd, no autocast."""
+    """Outside the step's own accounting: no dispatch mode (the audit's, the converted GEMMs' FLOP
+    counters), no autograd, no autocast."""
     with _disable_current_modes(), torch.no_grad(), torch.autocast(device.type, enabled=False):
         yield
 
