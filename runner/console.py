@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from runner.summary_aliases import converted_section
+
 console = Console(stderr=True)
 
 
@@ -159,9 +161,9 @@ def _next_steps(s: dict, path: Path | None) -> list[str]:
     truth = s.get("precision_truth")
     if isinstance(truth, dict) and truth.get("mismatches"):
         steps.append(f"precision truth: {truth['mismatches'][0]} (the table at the run's start)")
-    fp8 = s.get("fp8")
-    if isinstance(fp8, dict) and fp8.get("nothing_converted"):  # a converting mode that did not
-        steps.append(f"{s.get('precision', 'the mode')} {fp8['nothing_converted']}")
+    converted = converted_section(s)
+    if converted.get("nothing_converted"):  # a converting mode that did not
+        steps.append(f"{s.get('precision', 'the mode')} {converted['nothing_converted']}")
     for key in ("speed_note", "peak_note"):
         if s.get(key):
             steps.append(s[key])

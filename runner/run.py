@@ -24,6 +24,7 @@ from runner.measure.memory import reset_peak_memory, trainer_memory
 from runner.precision import DeviceCaps, Precision, mode_of
 from runner.precision.caps import resolve_device
 from runner.precision.fp4 import Fp4Linears
+from runner.summary_aliases import with_aliases
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
@@ -239,7 +240,8 @@ def _describe(trainer: Trainer, ranks, cfg: DictConfig) -> dict:
 
 def _measurements(cfg: DictConfig, trainer: Trainer, precision: Precision, caps, summary) -> dict:
     """What the fit measured beyond its own summary: CPU kernels, memory by category, fp16
-    health, MFU, and fp8's conversions with their FLOP share."""
+    health, MFU, and a converting mode's converted Linears with their FLOP share (summary.json's
+    `converted`, also under its old name `fp8`: runner/summary_aliases.py)."""
     found: dict = {"cpu_kernels": precision.cpu_kernels}
     found |= precision.memory(trainer.task)
     found["memory"] = trainer_memory(trainer)
@@ -257,18 +259,17 @@ def _measurements(cfg: DictConfig, trainer: Trainer, precision: Precision, caps,
     )
     if "above_peak" in found:
         console.say(f"[yellow]warning:[/] {found['peak_note']}")
-    if precision.fp8:
-        fp8_flops, flops = summary.pop("fp8_flops_per_step", None), summary.get("flops_per_step")
-        compute = next(mode_of(m).compute for _, m, _ in precision.stages if mode_of(m).fp8)
-        native = caps.type == "cuda" and caps.support(compute)[0]  # fp4: never (emulated)
-        found["fp8"] = precision.fp8.report() | {
+    if converted := precision.converted:
+        low, flops = summary.pop("converted_flops_per_step", None), summary.get("flops_per_step")
+        native = caps.type == "cuda" and caps.support(converted.compute)[0]  # fp4: never
+        found["converted"] = converted.report() | {
             "kernels": "native" if native else "emulated",  # emulated: the numerics, not the speed
-            "fp8_flops_per_step": fp8_flops,
-            "fp8_flop_share": fp8_flops / flops if fp8_flops and flops else None,
+            "converted_flops_per_step": low,
+            "converted_flop_share": low / flops if low and flops else None,
         }
-        if isinstance(precision.fp8, Fp4Linears):  # the blocks every FP4 GEMM quantized
-            found["fp8"]["fp4_health"] = fp4_health(precision.fp8.recipe.counts, precision.fp8.fmt)
-    return found
+        if isinstance(converted, Fp4Linears):  # the blocks every FP4 GEMM quantized
+            found["converted"]["fp4_health"] = fp4_health(converted.recipe.counts, converted.fmt)
+    return with_aliases(found)
 
 
 def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary: dict) -> dict:

@@ -243,7 +243,7 @@ def test_a_tiny_gpt_trains_in_nvfp4_within_a_few_percent_of_bf16(tmp_path):
         assert rows[-1]["loss"] < 0.95 * rows[0]["loss"]
         losses[mode] = summary["final_loss"]
     assert summary["plan_held"] is True
-    assert len(summary["fp8"]["converted"]) == 8  # all of two blocks'
+    assert len(summary["converted"]["converted"]) == 8  # all of two blocks'
     assert losses["nvfp4"] != losses["bf16"]
     assert losses["nvfp4"] == pytest.approx(losses["bf16"], rel=0.03)
 
@@ -276,8 +276,8 @@ def test_the_manifest_sees_fp4_gemms_and_keep_bf16_and_islands_move_them(tmp_pat
         )
     # bf16 (computed in fp32 where precision.cpu_kernels=fast does)
     assert {o["format"] for o in ops(default, prefix="net.blocks.3.")} <= {"fp32", "bf16"}
-    assert default["fp8"]["fp8_flop_share"] > 0
-    health = default["fp8"]["fp4_health"]["by_class"]["Linear"]
+    assert default["converted"]["converted_flop_share"] > 0
+    health = default["converted"]["fp4_health"]["by_class"]["Linear"]
     assert set(health) == {"input", "weight", "grad_output"}
 
     kept0 = run(
@@ -291,7 +291,7 @@ def test_the_manifest_sees_fp4_gemms_and_keep_bf16_and_islands_move_them(tmp_pat
     assert fp4_modules(island) == converted - {"net.blocks.0.mlp.0", "net.blocks.0.mlp.2"}
     assert {o["format"] for o in ops(island, prefix="net.blocks.0.mlp.")} == {"fp32"}
     assert island["plan_held"] is True
-    assert "inside an fp32 island" in island["fp8"]["skipped"]["net.blocks.0.mlp.0"]
+    assert "inside an fp32 island" in island["converted"]["skipped"]["net.blocks.0.mlp.0"]
     assert (
         read_metrics(tmp_path / "island")[-1]["loss"]
         != read_metrics(tmp_path / "default")[-1]["loss"]
@@ -326,7 +326,7 @@ def test_gpt2_conv1d_converts_keeping_its_layout_and_fp8_keys_are_refused(tmp_pa
     assert summary["plan_held"] is True
     attn = ops(summary, prefix="net.transformer.h.0.attn.c_proj")
     assert {o["format"] for o in attn} == {"mxfp4"} and attn[0]["class"] == "Fp4Linear"
-    health = summary["fp8"]["fp4_health"]["by_class"]
+    health = summary["converted"]["fp4_health"]["by_class"]
     assert "Conv1D" in health
     state = torch.load(tmp_path / "gpt2" / "checkpoints" / "last.pt", weights_only=True)["model"]
     c_attn = next(v for k, v in state.items() if k.endswith("h.0.attn.c_attn.weight"))

@@ -53,7 +53,7 @@ def _layer_class(dotted: str) -> type:
 def test_the_linears_convert_as_configured(tmp_path, mode):
     overrides, recipe, _ = FORMATS[mode]
     cfg = make_cfg(*BERT, *overrides, "precision.fp8.skip=[first,last,'*.output.dense']")
-    fp8 = run(cfg, tmp_path)["fp8"]
+    fp8 = run(cfg, tmp_path)["converted"]
     assert fp8["recipe"] == recipe
     assert sorted(fp8["converted"]) == [
         f"{LAYER}.attention.self.key",
@@ -76,8 +76,8 @@ def test_the_layers_reported_converted_are_torchaos_converted_class(mode):
     precision = Precision(cfg.precision, torch.device("cpu"))
     precision.prepare(task, cfg.precision.fp32_modules)
     converted = {n for n, m in task.named_modules() if isinstance(m, layer)}
-    assert len(converted) == 4 and set(precision.fp8.report()["converted"]) == converted
-    assert not any(isinstance(task.get_submodule(n), layer) for n in precision.fp8.skipped)
+    assert len(converted) == 4 and set(precision.converted.report()["converted"]) == converted
+    assert not any(isinstance(task.get_submodule(n), layer) for n in precision.converted.skipped)
 
 
 @pytest.mark.parametrize("mode", FORMATS)
@@ -155,9 +155,9 @@ def test_zero_rows_padded_in_change_no_output_and_no_gradient(recipe):
 def test_the_audit_counts_the_fp8_gemms(tmp_path, mode):
     """And none of them as fp32 (MXFP8's tensors have the dtype they stand for: fp32)."""
     summary = run(make_cfg(*BERT, *FORMATS[mode][0]), tmp_path)
-    fp8 = summary["fp8"]
-    assert fp8["fp8_flops_per_step"] > 0
-    assert 0 < fp8["fp8_flop_share"] < summary["low_precision_flop_share"] <= 1
+    fp8 = summary["converted"]
+    assert fp8["converted_flops_per_step"] > 0
+    assert 0 < fp8["converted_flop_share"] < summary["low_precision_flop_share"] <= 1
     assert summary["fp32_ops"] == {}
 
 
@@ -165,7 +165,7 @@ def test_small_or_odd_layers_stay_bf16(tmp_path):
     cfg = make_cfg(
         *BERT, "precision=fp8", "precision.fp8.min_features=64", "dataset.vocab_size=500"
     )
-    fp8 = run(cfg, tmp_path)["fp8"]
+    fp8 = run(cfg, tmp_path)["converted"]
     assert "not multiples of 16" in fp8["skipped"]["model.cls.predictions.decoder"]
     assert "min_features=64" in fp8["skipped"][f"{LAYER}.attention.self.key"]
 
@@ -178,7 +178,7 @@ def test_fp8_trains_to_within_3_percent_of_bf16(tmp_path, model, mode):
     cfg = [*sizes, *steps, "optim.optimizer.lr=3e-3"]
     bf16 = run(make_cfg(*cfg, "precision=bf16"), tmp_path / "bf16")
     fp8 = run(make_cfg(*cfg, *FORMATS[mode][0]), tmp_path / "fp8")
-    assert fp8["fp8"]["converted"]
+    assert fp8["converted"]["converted"]
     assert abs(fp8["eval_loss"] - bf16["eval_loss"]) < 0.03 * bf16["eval_loss"]
 
 
@@ -209,8 +209,8 @@ def test_a_staged_run_computes_in_fp8_only_in_its_fp8_stage(tmp_path, mode):
 def test_an_island_stays_high_precision(tmp_path, mode):
     cfg = make_cfg(*BERT, *FORMATS[mode][0], f"precision.fp32_modules=[{LAYER}.intermediate]")
     summary = run(cfg, tmp_path)
-    assert summary["fp8"]["skipped"][f"{LAYER}.intermediate.dense"] == "inside an fp32 island"
-    assert f"{LAYER}.output.dense" in summary["fp8"]["converted"]
+    assert summary["converted"]["skipped"][f"{LAYER}.intermediate.dense"] == "inside an fp32 island"
+    assert f"{LAYER}.output.dense" in summary["converted"]["converted"]
 
 
 def test_a_bad_recipe_is_one_clear_line(tmp_path):

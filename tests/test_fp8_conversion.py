@@ -68,7 +68,7 @@ def _output_dtypes(task, precision, names: list[str]) -> dict[str, torch.dtype]:
         return lambda _module, _args, out: seen.update({name: out.dtype})
 
     handles = [task.get_submodule(n).register_forward_hook(record(n)) for n in names]
-    precision.fp8.active = True
+    precision.converted.active = True
     with precision.autocast():
         task.net(input_ids=torch.randint(0, 20, (2, 16)))
     for handle in handles:
@@ -108,7 +108,7 @@ def test_lora_adapters_stay_out_of_fp8_unless_asked(gpt2, mode):
     adapters = [f"{PEFT}.attn.c_attn.lora_{ab}.default" for ab in "AB"]
     task, precision, _ = _prepared(_cfg(gpt2, mode, LORA))
     assert [type(task.get_submodule(n)) for n in adapters] == [torch.nn.Linear] * 2
-    assert all("adapter" in precision.fp8.skipped[n] for n in adapters)
+    assert all("adapter" in precision.converted.skipped[n] for n in adapters)
     assert set(_output_dtypes(task, precision, adapters).values()) == {torch.bfloat16}
     task, _, _ = _prepared(_cfg(gpt2, mode, LORA, "precision.fp8.convert_adapters=true"))
     assert {type(task.get_submodule(n)).__name__ for n in adapters} == {CONVERTED[mode]}
@@ -125,8 +125,8 @@ def test_an_island_on_a_conv1d_stays_an_fp32_conv1d(gpt2, mode):
     precision = _prepare(cfg, task)
     assert type(task.get_submodule(island)).__name__ == "Conv1D"
     assert type(task.get_submodule(neighbour)).__name__ == CONVERTED[mode]
-    assert precision.fp8.skipped[island] == "inside an fp32 island"
-    assert island not in precision.fp8.report()["converted"]
+    assert precision.converted.skipped[island] == "inside an fp32 island"
+    assert island not in precision.converted.report()["converted"]
     assert _output_dtypes(task, precision, [island])[island] == torch.float32
     assert hooked == [torch.bfloat16]
 

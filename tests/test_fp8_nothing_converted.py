@@ -27,7 +27,7 @@ def test_an_fp8_run_whose_linears_are_all_skipped_says_so(tmp_path, capsys):
         "runner.project_precisions=[bf16]",
     )
     summary = run(cfg, tmp_path)
-    fp8 = summary["fp8"]
+    fp8 = summary["converted"]
     assert fp8["converted"] == []
     words = fp8["nothing_converted"]
     assert words.startswith("converted no Linear") and all(rule in words for rule in RULES)
@@ -49,7 +49,7 @@ def test_min_features_and_skip_patterns_are_named_too(tmp_path):
     cfg = make_cfg(
         *TWO_LINEARS, "precision=fp8", "precision.fp8.skip=[net.0]", "precision.fp8.min_features=24"
     )
-    words = run(cfg, tmp_path)["fp8"]["nothing_converted"]
+    words = run(cfg, tmp_path)["converted"]["nothing_converted"]
     assert "net.0: matches 'net.0' (precision.fp8.skip)" in words
     assert "net.3: smaller than precision.fp8.min_features=24" in words  # 64 → 16
 
@@ -59,9 +59,9 @@ def test_the_comparison_verdict_says_the_mode_converted_no_linear(tmp_path):
     from tests.test_compare import fake_job
 
     words = "converted no Linear: net.0: the first Linear layer (precision.fp8.skip)"
-    fp8_block = {"converted": [], "skipped": {"net.0": "…"}, "nothing_converted": words}
+    section = {"converted": [], "skipped": {"net.0": "…"}, "nothing_converted": words}
     fake_job(tmp_path / "0", "bf16", speed=100.0)
-    fake_job(tmp_path / "1", "fp8", speed=100.0, summary={"fp8": fp8_block})
+    fake_job(tmp_path / "1", "fp8", speed=100.0, summary={"converted": section})
     bf16, fp8 = compare(tmp_path, wandb_log=False)
     assert f"fp8 {words}" in fp8.verdict
     assert "converted no Linear" not in bf16.verdict
@@ -106,9 +106,9 @@ def test_a_mode_that_converted_nothing_is_never_recommended_on_its_speed(tmp_pat
     from tests.test_compare import fake_job
 
     words = "converted no Linear: net.0: the first Linear layer (precision.fp8.skip)"
-    fp8_block = {"converted": [], "skipped": {"net.0": "…"}, "nothing_converted": words}
+    section = {"converted": [], "skipped": {"net.0": "…"}, "nothing_converted": words}
     fake_job(tmp_path / "0", "fp32", speed=100.0, summary={"mfu": 0.5})
-    fake_job(tmp_path / "1", "fp8", speed=150.0, summary={"fp8": fp8_block, "mfu": 0.5})
+    fake_job(tmp_path / "1", "fp8", speed=150.0, summary={"converted": section, "mfu": 0.5})
     _, fp8 = compare(tmp_path, wandb_log=False)
     assert "speed emulated: its fp8 converted no Linear, so it ran as bf16" in fp8.verdict
     assert "recommended" not in fp8.verdict.replace("not recommended", "")

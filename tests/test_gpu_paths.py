@@ -112,7 +112,7 @@ def test_fp8_runs_torch_fp8_gemm_on_the_gpu_where_it_has_fp8_units(tmp_path, mon
 
     monkeypatch.setattr(torch, "_scaled_mm", watched)
     summary = run(make_cfg(*CUDA, "precision=fp8", "trainer.max_steps=3"), tmp_path)
-    assert summary["fp8"]["kernels"] == "native" and summary["skipped_steps"] == 0
+    assert summary["converted"]["kernels"] == "native" and summary["skipped_steps"] == 0
     assert seen and all(device == "cuda" for *_, device in seen)
     assert {torch.float8_e4m3fn, torch.float8_e5m2} >= {
         dtype for a, b, _ in seen for dtype in (a, b)

@@ -59,7 +59,7 @@ def test_keep_bf16_leaves_the_first_and_last_blocks_out_of_the_low_precision_for
     kept, converted = {"Conv1D"}, {CONVERTED[mode]}  # a kept block's are left as they are
     assert classes == [kept, converted, converted, kept]
     assert type(task.model.lm_head).__name__ == CONVERTED[mode]  # skip=[]: outside the blocks
-    why = precision.fp8.skipped["model.transformer.h.3.mlp.c_fc"]
+    why = precision.converted.skipped["model.transformer.h.3.mlp.c_fc"]
     assert why == "in block 3 of 4 (precision.fp8.keep_bf16.last=1)"
 
 
@@ -90,7 +90,7 @@ def test_a_model_without_blocks_keeps_none_and_says_so(capsys):
     said = " ".join(capsys.readouterr().err.split())  # the console wraps at its width
     assert "note: precision.fp4.keep_bf16 keeps no block: the model has none" in said
     # only the output layer stays, for its 8 classes: no Linear is kept for being in a block
-    assert precision.fp8.skipped == {"net.6": "dimensions 64×8 are not multiples of 16"}
+    assert precision.converted.skipped == {"net.6": "dimensions 64×8 are not multiples of 16"}
     classes = [type(m).__name__ for m in task.modules() if isinstance(m, torch.nn.Linear)]
     assert classes.count("Fp4Linear") == len(classes) - 1 > 0
 

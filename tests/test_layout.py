@@ -12,6 +12,7 @@ RUNNER = Path(__file__).resolve().parent.parent / "runner"
 LAYERS = [
     (
         "runner.errors",
+        "runner.summary_aliases",
         "runner.console",
         "runner.task",
         "runner.wandb_file",

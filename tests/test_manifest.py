@@ -14,7 +14,7 @@ from torch import nn
 
 from runner.answers import inference
 from runner.precision import Precision, cpu_kernels, fp32_islands
-from runner.precision.fp8 import Fp8Linears
+from runner.precision.converted import ConvertedLinears
 from runner.run import run
 from tests.helpers import load_last, make_cfg, module_run, read_metrics
 from tests.test_hf import causal_lm_on_text, hf, tiny_gpt2_and_text
@@ -136,7 +136,7 @@ def test_fp8_runs_what_it_converts_in_fp8_and_lists_the_rest(tmp_path, monkeypat
     A conversion whose switch runs the plain Linear breaks the plan, naming the layer."""
     cfg = gpt2(tmp_path, "precision=fp8")
     summary = run(cfg(), tmp_path / "fp8")
-    skipped = summary["fp8"]["skipped"]
+    skipped = summary["converted"]["skipped"]
     seen = ops(summary)
     linears = {o["module"] for o in seen if o["class"] in ("Conv1D", "Linear", "Float8Linear")}
     converted = linears - set(skipped)
@@ -149,7 +149,7 @@ def test_fp8_runs_what_it_converts_in_fp8_and_lists_the_rest(tmp_path, monkeypat
     assert summary["plan_held"] is True
 
     monkeypatch.setattr(
-        Fp8Linears, "_switch", lambda self, module, fwd, x: nn.Linear.forward(module, x)
+        ConvertedLinears, "_switch", lambda self, module, fwd, x: nn.Linear.forward(module, x)
     )
     broken = run(cfg(), tmp_path / "plain")
     assert broken["plan_held"] is False

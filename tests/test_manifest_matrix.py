@@ -448,15 +448,14 @@ def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
         assert {(o["format"], tuple(o["inputs"])) for o in mine} == {("fp32", ("fp32",))}, mine
         assert {"forward", "weight_grad"} <= {o["direction"] for o in mine}, mine
     if summary["precision"] in CONVERTING:
-        fp8 = summary["fp8"]  # fp8's block: fp4's Linears are chosen by the same rules
-        assert fp8["converted"], fp8  # every model here has an aligned Linear to convert
+        converted = summary["converted"]  # every converting mode's Linears: the same rules
+        assert converted["converted"], converted  # every model here has an aligned Linear
         low = {o["module"] for o in seen if o["format"] == summary["precision"]}
         assert low, f"a converted Linear, but no op ran in {summary['precision']}"
-        assert low <= set(fp8["converted"]), low - set(fp8["converted"])
-        for skipped in fp8["skipped"]:
-            assert skipped not in low, (
-                f"{skipped} is skipped ({fp8['skipped'][skipped]}) yet ran fp8"
-            )
+        assert low <= set(converted["converted"]), low - set(converted["converted"])
+        for skipped in converted["skipped"]:
+            why = converted["skipped"][skipped]
+            assert skipped not in low, f"{skipped} is skipped ({why}) yet ran converted"
     for name, p in manifest["parameters"].items():
         if not p["trainable"]:
             assert p["changed"] is False and not p["optimizer_state"], (name, p)
@@ -630,8 +629,8 @@ def check_lora(cell, folders, out, monkeypatch) -> dict:
             assert torch.equal(value, watch.initial[name].to(value.dtype)), name
     moved = [k for k, v in saved.items() if ".lora_B" in k and v.abs().max() > 0]
     assert moved, "no adapter moved"
-    if summary.get("fp8"):  # the adapters stay in autocast's dtype (convert_adapters=false)
-        assert not [n for n in summary["fp8"]["converted"] if ".lora_" in n]
+    if summary.get("converted"):  # the adapters stay in autocast's dtype (convert_adapters=false)
+        assert not [n for n in summary["converted"]["converted"] if ".lora_" in n]
     return summary
 
 
@@ -670,8 +669,8 @@ def check_islands(cell, folders, out, monkeypatch) -> None:
         assert summary["fp32_head"] == name
     assert_manifest(summary, [name])
     assert watch.outputs[name] == {torch.float32}, watch.outputs[name]
-    if summary.get("fp8"):
-        converted = summary["fp8"]["converted"]
+    if summary.get("converted"):
+        converted = summary["converted"]["converted"]
         assert not [c for c in converted if under(c, name)], converted
 
 
@@ -707,12 +706,12 @@ def check_keep_bf16(cell, folders, out, monkeypatch) -> None:
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)
     reason = keep_bf16(mode)[1]
-    kept = [n for n, why in summary["fp8"]["skipped"].items() if reason in why]
-    assert kept, summary["fp8"]["skipped"]
+    kept = [n for n, why in summary["converted"]["skipped"].items() if reason in why]
+    assert kept, summary["converted"]["skipped"]
     modules = dict(watch.task.named_modules())
     for name in kept:
         assert not converted_class(modules[name]), (name, type(modules[name]))
-    for name in summary["fp8"]["converted"]:
+    for name in summary["converted"]["converted"]:
         assert converted_class(modules[name]), (name, type(modules[name]))
     low = {o["module"] for o in ops(summary) if o["format"] == mode}
     assert low and not low & set(kept), low & set(kept)
@@ -808,7 +807,7 @@ def check_recipe(cell, folders, out, monkeypatch) -> None:
     watch = Watch(monkeypatch)
     summary = run(make_cfg(*overrides(cell, folders)), out)
     assert_manifest(summary)
-    assert name in summary["fp8"]["converted"], summary["fp8"]
+    assert name in summary["converted"]["converted"], summary["converted"]
     assert converted_class(dict(watch.task.named_modules())[name])
     mine = {}
     for o in ops(summary):
@@ -820,7 +819,7 @@ def check_recipe(cell, folders, out, monkeypatch) -> None:
     assert {d: f for d, f in mine.items() if d != direction} == {
         d: f for d, f in expected.items() if d != direction
     }, mine
-    assert summary["fp8"]["directions"][name][direction] == "bf16"
+    assert summary["converted"]["directions"][name][direction] == "bf16"
 
 
 CHECKS = {

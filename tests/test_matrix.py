@@ -217,8 +217,8 @@ def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):
     if precision == "staged":
         assert [r["precision"] for r in rows] == STAGE_MODES
     if precision in ("fp8", "mxfp8"):  # one layer in fp8; ranks of b match one process of 2b
-        assert summary["fp8"]["converted"] == ["net.blocks.2"]
-        assert summary["fp8"]["fp8_flops_per_step"] > 0
+        assert summary["converted"]["converted"] == ["net.blocks.2"]
+        assert summary["converted"]["converted_flops_per_step"] > 0
         single = read_metrics(
             root / _name(next(r for r in MATRIX if r[:2] == (precision, "single")))
         )

@@ -68,7 +68,7 @@ def test_dimensions_must_be_multiples_of_its_block_of_32():
     precision = _precision()
     precision.prepare(net)
     assert [type(m) is _mxfp8_linear() for m in net] == [True, False, False, True]
-    assert precision.fp8.skipped == {
+    assert precision.converted.skipped == {
         "1": "dimensions 64×48 are not multiples of 32",
         "2": "dimensions 48×32 are not multiples of 32",
     }
@@ -92,7 +92,7 @@ def test_rows_that_are_not_a_multiple_of_32_are_padded_for_its_blocks(tmp_path):
     ]
     summary = run(make_cfg(*cfg), tmp_path)
     assert summary["status"] == "completed"
-    assert summary["fp8"]["converted"] == ["net.blocks.0", "net.blocks.2"]
+    assert summary["converted"]["converted"] == ["net.blocks.0", "net.blocks.2"]
 
 
 def test_compiled_with_a_dynamic_row_count_its_gradients_are_eagers():

@@ -235,8 +235,8 @@ def test_fp16_master_keeps_rmsnorm_fp32_and_gives_frozen_weights_no_master():
 
 
 class Fp4Toy(Fp8):
-    """A mode from elsewhere that no runner code names: fp8-style Linears computing in a new
-    arithmetic (fp4) and bf16 autocast."""
+    """A mode from elsewhere that no runner code names: converted Linears (fp8's) computing in a
+    new arithmetic (fp4) and bf16 autocast."""
 
 
 @pytest.fixture
@@ -244,7 +244,9 @@ def new_modes():
     modes = [
         register(Mode("tf32_too", compute="tf32", tf32=True)),
         register(
-            Fp4Toy("fp4_toy", compute="fp4", autocast=torch.bfloat16, fp8=True, mfu_also_vs="bf16")
+            Fp4Toy(
+                "fp4_toy", compute="fp4", autocast=torch.bfloat16, converts=True, mfu_also_vs="bf16"
+            )
         ),
     ]
     yield {m.name: m for m in modes}
@@ -256,7 +258,7 @@ def test_a_registered_mode_is_honoured_by_its_attributes_not_its_name(
     new_modes, tmp_path, monkeypatch
 ):
     """Its TF32 setting where the interleaved timing runs it (runner/train/session.py), its MFU
-    peak (its `compute`'s, also against `mfu_also_vs`'s) and, fp8-style, no CPU matmul rate."""
+    peak (its `compute`'s, also against `mfu_also_vs`'s) and, as a converting mode, no CPU matmul rate."""
     cfg = make_cfg(*TINY_MLP, "precision.mode=tf32_too", "trainer.max_steps=2")
     with ExitStack() as stack:
         device, data, task, log = workspace(cfg, stack)

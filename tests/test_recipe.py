@@ -47,8 +47,8 @@ def test_a_rule_changes_exactly_its_direction_and_the_loss(tmp_path, mode, modul
     assert before[(module, direction)] == mode
     assert after[(module, direction)] in ("bf16", "fp32")  # fp32: cpu_kernels=fast's bf16
     assert ruled["plan_held"] is True
-    assert ruled["fp8"]["directions"][module][direction] == "bf16"
-    assert any(r.startswith(f"{{module: '{module}'") for r in ruled["fp8"]["recipe_in_force"])
+    assert ruled["converted"]["directions"][module][direction] == "bf16"
+    assert any(r.startswith(f"{{module: '{module}'") for r in ruled["converted"]["recipe_in_force"])
     assert read_metrics(tmp_path / "r")[-1]["loss"] != read_metrics(tmp_path / "plain")[-1]["loss"]
 
 
@@ -88,8 +88,8 @@ def test_shorthands_give_the_manifest_of_their_recipe(tmp_path):
     ruled = run(make_cfg(*gpt("precision=fp8", f"precision.recipe={file}")), tmp_path / "ruled")
     assert _formats(short) == _formats(ruled)
     assert _formats(short)[("net.blocks.1.proj", "forward")] != "fp8"
-    assert set(short["fp8"]["converted"]) == set(ruled["fp8"]["converted"])
-    assert "{module: 'net.blocks.1.proj'" in short["fp8"]["recipe_in_force"][-2]
+    assert set(short["converted"]["converted"]) == set(ruled["converted"]["converted"])
+    assert "{module: 'net.blocks.1.proj'" in short["converted"]["recipe_in_force"][-2]
 
 
 @pytest.mark.slow  # the real command line, 6 processes of about 3.5 s
@@ -148,13 +148,13 @@ def test_mxfp8_switches_one_weight_grad_by_wgrad_with_hp(tmp_path):
     plain = run(make_cfg(*wide("precision=mxfp8")), tmp_path / "plain")
     ruled = run(make_cfg(*wide("precision=mxfp8", f"precision.recipe={file}")), tmp_path / "r")
     before, after = _formats(plain), _formats(ruled)
-    assert module in plain["fp8"]["converted"] and module in ruled["fp8"]["converted"]
+    assert module in plain["converted"]["converted"] and module in ruled["converted"]["converted"]
     assert {k for k in before if before[k] != after.get(k)} == {(module, "weight_grad")}
     assert before[(module, "weight_grad")] == "mxfp8"
     assert after[(module, "weight_grad")] in ("bf16", "fp32")  # fp32: cpu_kernels=fast's bf16
     assert after[(module, "forward")] == after[(module, "input_grad")] == "mxfp8"
     assert ruled["plan_held"] is True
-    assert ruled["fp8"]["directions"][module] == {
+    assert ruled["converted"]["directions"][module] == {
         "forward": "mxfp8",
         "input_grad": "mxfp8",
         "weight_grad": "bf16",

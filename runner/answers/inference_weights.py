@@ -16,17 +16,18 @@ from runner.precision import fp32_islands, layers
 from runner.precision.conversion import carry
 from runner.task import Task
 
-# A training mode's forward layers (runner/precision/layers.py): bf16_true's casts, fp8's switch
-MODE_LAYERS = ("cast", "fp8")
+# A training mode's forward layers (runner/precision/layers.py): bf16_true's casts, a converting
+# mode's switch
+MODE_LAYERS = ("cast", "converted")
 
 
 def trained_weights(task: Task, masters: Mapping[nn.Parameter, nn.Parameter]) -> Task:
     """The trained weights as a plain fp32 model: the reference each precision is measured
     against, and what the cast copies are made from. Its weights are the fp32 masters where
     there are any (fp16_master's model holds their fp16 copies), the others widened to fp32;
-    its modules have none of the training mode's forward layers (MODE_LAYERS), and fp8's
-    converted Linears are plain `nn.Linear`s again (their hooks and other layers carried); the
-    fp32 islands stay. The task itself where it is that already; fp32 tensors are shared."""
+    its modules have none of the training mode's forward layers (MODE_LAYERS), and a converting
+    mode's converted Linears are plain `nn.Linear`s again (their hooks and other layers carried);
+    the fp32 islands stay. The task itself where it is that already; fp32 tensors are shared."""
     tensors = list(chain(task.parameters(), task.buffers()))
     moded = {
         name: module
@@ -46,12 +47,12 @@ def trained_weights(task: Task, masters: Mapping[nn.Parameter, nn.Parameter]) ->
         memo[id(t)] = (
             nn.Parameter(wide, requires_grad=False) if isinstance(t, nn.Parameter) else wide
         )
-    for module in moded.values():  # their layers are not copied (fp8's switch holds the mode)
+    for module in moded.values():  # their layers are not copied (the switch holds the mode)
         kept = {k: v for k, v in module._forward_layers.items() if k not in MODE_LAYERS}
         memo[id(module._forward_layers)] = kept
     plain = copy.deepcopy(task, memo)
     for name, module in moded.items():
-        if layers.has(module, "fp8"):
+        if layers.has(module, "converted"):
             converted = plain.get_submodule(name)
             linear = nn.Linear(
                 converted.in_features,

@@ -49,7 +49,7 @@ class Search:
         precision = Precision(cfg.precision, self.device)
         precision.close()
         self.stages = [m for _, m, _ in precision.stages]  # auto and staged resolved
-        if all(mode_of(m).low_dtype is None and not mode_of(m).fp8 for m in self.stages):
+        if all(mode_of(m).low_dtype is None and not mode_of(m).converts for m in self.stages):
             raise UserError(
                 f"the fp32 islands search needs a low-precision mode: precision={cfg.precision.mode}"
                 " computes in fp32 already (use e.g. precision=fp16 or bf16)"

@@ -45,8 +45,8 @@ def audit_precision(cfg: DictConfig) -> dict:
             summary = trainer.fit() | {"memory": trainer_memory(trainer)}
         finally:
             console.console.quiet = quiet
-        if precision.fp8:  # its Linears converted and skipped, as a run's summary has them
-            summary["fp8"] = precision.fp8.report()
+        if precision.converted:  # its Linears converted and skipped, as a run's summary has them
+            summary["converted"] = precision.converted.report()
         stage = trainer.meter.audited_steps[-1]
         rows = trainer.meter.rows
         return projection.run_entry(

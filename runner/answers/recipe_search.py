@@ -15,7 +15,7 @@ bf16, written as a recipe file (`precision.recipe=`), or the word that no small 
 
 The first that passes is written as recipe.yaml, its figures as comments; every candidate's in
 recipe_search.json beside it: the loss gap, the share of the step's FLOPs that ran in the format
-(summary's fp8 FLOPs), and the projected speed on `runner.project`'s GPUs (default H100, B200)
+(summary's converted FLOPs), and the projected speed on `runner.project`'s GPUs (default H100, B200)
 from each run's audited step (runner/measure/projection.py). No candidate passing: no recipe.yaml.
 """
 
@@ -146,7 +146,7 @@ class RecipeSearch:
             "tail_loss": loss,
             "loss_gap": gap,
             "passes": not stopped and math.isfinite(gap) and gap <= self.tolerance,
-            "converted_flop_share": (summary.get("fp8_flops_per_step") or 0) / flops
+            "converted_flop_share": (summary.get("converted_flops_per_step") or 0) / flops
             if flops
             else None,
         }

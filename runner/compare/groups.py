@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from runner.compare import capacity
 from runner.compare.stats import finite, mean_std, median, quartiles
 from runner.measure.error_table import worst_layer
+from runner.summary_aliases import converted_section
 
 if TYPE_CHECKING:
     from runner.compare.jobs import Job
@@ -109,13 +110,15 @@ def plan_held(g: Group) -> dict:
 
 def _emulated_by(summary: dict) -> str | None:
     """What makes a job's speed say nothing of its precision's: "nothing converted" where its
-    converting mode (fp8, mxfp8, nvfp4, mxfp4) converted no Linear; "fp8" where its converted Linears'
-    GEMMs were emulated (fp8 and mxfp8 without their units, nvfp4 and mxfp4 always), "cpu_kernels"
-    where precision.cpu_kernels=fast computed its low-precision matmuls in fp32; else None."""
-    if (summary.get("fp8") or {}).get("nothing_converted"):  # it ran as bf16: says nothing of it
+    converting mode (fp8, mxfp8, nvfp4, mxfp4) converted no Linear; "converted" where its
+    converted Linears' GEMMs were emulated (fp8 and mxfp8 without their units, nvfp4 and mxfp4
+    always), "cpu_kernels" where precision.cpu_kernels=fast computed its low-precision matmuls in
+    fp32; else None."""
+    converted = converted_section(summary)  # an older run's: its `fp8`
+    if converted.get("nothing_converted"):  # it ran as bf16: says nothing of it
         return "nothing converted"
-    if (summary.get("fp8") or {}).get("kernels") == "emulated":
-        return "fp8"
+    if converted.get("kernels") == "emulated":
+        return "converted"
     return "cpu_kernels" if summary.get("cpu_kernels") == "fast" else None
 
 

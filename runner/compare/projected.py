@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from runner.summary_aliases import converted_section
+
 if TYPE_CHECKING:
     from runner.compare.groups import Group
 
@@ -64,7 +66,7 @@ def fill(groups: list[Group]) -> None:
         g.figures["projected_speedup"] = speedup if speedup else math.nan
         g.figures["projected_mfu"] = ours.get("mfu") if ours.get("mfu") is not None else math.nan
         g.figures["projected_step_time_s"] = t if t else math.nan
-        if words := (g.jobs[0].summary.get("fp8") or {}).get("nothing_converted"):
+        if words := converted_section(g.jobs[0].summary).get("nothing_converted"):
             g.verdict += f"; {g.precision} {words}"  # a converting mode that converted nothing
         if t and speedup and g.base is not None and g.base is not g:
             g.verdict += (

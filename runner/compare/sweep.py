@@ -30,6 +30,7 @@ from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.config.schema import CompareConfig
 from runner.errors import UserError
+from runner.summary_aliases import converted_section
 
 TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default
 MAX_SKIPPED_SHARE = 0.5
@@ -100,7 +101,7 @@ def _job_figures(job: Job, base: Job | None) -> None:
         "mfu": as_float(s.get("mfu")),
         "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
         # fp8, mxfp8, nvfp4, mxfp4: the share its converted Linears computed in the mode's format
-        "converted_flop_share": as_float((s.get("fp8") or {}).get("fp8_flop_share")),
+        "converted_flop_share": as_float(converted_section(s).get("converted_flop_share")),
         **capacity.job_figures(s),
         **finetune.job_figures(s),
     }

@@ -138,8 +138,8 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         )
         if g in emulated:
             how = {
-                "fp8": f"its {g.precision} matmuls were emulated (quantized and dequantized in "
-                "PyTorch, no kernels of that format here)",
+                "converted": f"its {g.precision} matmuls were emulated (quantized and dequantized "
+                "in PyTorch, no kernels of that format here)",
                 "nothing converted": f"its {g.precision} converted no Linear, so it ran as bf16",
             }.get(
                 f["speed_emulated_by"],

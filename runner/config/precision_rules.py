@@ -1,7 +1,7 @@
-"""The precision group's checks of a composed config (runner/config/validation.py's `validate`
-calls them): the mode, a staged schedule, fp8's keys, the bf16 update rule, the kernel, adapter
-and reduce dtypes, the gradient scaler, and the fp32 islands and norm modules. Each failure is one
-UserError line naming the key, its value and what is allowed."""
+"""The precision group's checks of a composed config (runner/config/validation.py's `validate` calls
+them): the mode, a staged schedule, a converting mode's keys, the bf16 update rule, the kernel,
+adapter and reduce dtypes, the gradient scaler, and the fp32 islands and norm modules. Each failure
+is one UserError line naming the key, its value and what is allowed."""
 
 from __future__ import annotations
 
@@ -41,27 +41,28 @@ def _validate_stages(stages) -> None:
             previous = stage.until_step
 
 
-def _validate_fp8(p) -> None:
-    """precision.fp8 under an fp8 format (fp8, mxfp8): the keys the format ignores are refused
-    (mxfp8's: fp8's recipe and all-gather); a staged run converts its Linears once, so to one
-    format."""
+def _validate_converting(p) -> None:
+    """A converting mode (fp8, mxfp8, nvfp4, mxfp4): the precision.fp8 keys its format ignores
+    are refused (mxfp8's: fp8's recipe and all-gather; the fp4 formats' all of them, they read
+    precision.fp4); a staged run converts its Linears once, so to one format; precision.recipe
+    needs one."""
     modes = {s.mode for s in p.stages} if p.mode == "staged" else {p.mode}
-    formats = [MODES[m] for m in MODES if m in modes and MODES[m].fp8]
+    formats = [MODES[m] for m in MODES if m in modes and MODES[m].converts]
     names = " stages or ".join(m.name for m in formats)
     why = f"a run converts its Linears once: {names} stages, not both"
     require(len(formats) <= 1, "precision.stages", [s.mode for s in p.stages], why)
     for key, unset, why in formats[0].ignored_fp8_keys if formats else ():
         require(p.fp8[key] == unset, f"precision.fp8.{key}", p.fp8[key], why)
     if p.get("recipe") is not None:
-        converting = ", ".join(m for m in MODES if MODES[m].fp8)
+        converting = ", ".join(m for m in MODES if MODES[m].converts)
         why = f"a recipe chooses formats per Linear in a converting mode ({converting})"
         require(bool(formats), "precision.recipe", p.recipe, why)
         recipe.load(p.recipe, formats[0].compute, p.fp8.recipe)  # a bad file is one line
 
 
 def _validate_precision(p, t) -> None:
-    """The mode (and its refusal under FSDP), a staged schedule, fp8's keys, the bf16 update
-    rule, CPU kernels, adapter and reduce dtypes, fp8's kept blocks."""
+    """The mode (and its refusal under FSDP), a staged schedule, a converting mode's keys, the
+    bf16 update rule, CPU kernels, adapter and reduce dtypes, precision.fp8's kept blocks."""
     refusal = MODES[p.mode].fsdp_refusal if p.mode in MODES else None
     require(not (t.strategy == "fsdp" and refusal), "precision.mode", p.mode, refusal or "")
     require(
@@ -72,7 +73,7 @@ def _validate_precision(p, t) -> None:
     )
     if p.mode == "staged":
         _validate_stages(p.stages)
-    _validate_fp8(p)
+    _validate_converting(p)
     update = p["update"]
     require(update in BF16_UPDATES, "precision.update", update, ", ".join(BF16_UPDATES))
     why = "applies to a mode that holds bf16 weights (precision=bf16_true) only"

@@ -98,8 +98,9 @@ class Fp4KeepBf16Config(KeepBf16Config):
 
 @dataclass
 class Fp4Config:
-    """precision=nvfp4 and mxfp4 (conf/precision/nvfp4.yaml, mxfp4.yaml): fp8's chooser keys, and
-    the recipe's switches (runner/precision/fp4.py)."""
+    """precision=nvfp4 and mxfp4 (conf/precision/nvfp4.yaml, mxfp4.yaml): the converting modes'
+    chooser keys (as precision.fp8 has them for fp8 and mxfp8), and the recipe's switches
+    (runner/precision/fp4.py)."""
 
     skip: list[str] = field(default_factory=lambda: ["first", "last"])
     min_features: int = 0

@@ -51,8 +51,8 @@ class MatmulErrors:
 
     @contextlib.contextmanager
     def _measuring(self, outer: contextlib.AbstractContextManager, step: int, audited: bool):
-        fp8 = self.precision.fp8
-        converted = bool(fp8 and fp8.active)
+        linears = self.precision.converted
+        converted = bool(linears and linears.active)
         probe = ErrorProbe(self.model, step, converted)
         with outer:
             with torch.compiler.set_stance("force_eager"), probe:  # hooks: eagerly, as the audit

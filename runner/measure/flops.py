@@ -118,8 +118,8 @@ def peak_tflops(caps, mode: Mode, cache_dir: Path) -> float | None:
 def cpu_matmul_tflops(caps, mode: Mode, cache_dir: Path) -> float | None:
     """On a CPU, the rate of n×n matmuls in the mode's dtype (its `low_dtype`, else fp32: tf32
     too), measured once per (CPU, threads, torch, dtype) and cached with those conditions; None
-    elsewhere and for fp8 Linears (no CPU kernels: torchao emulates them)."""
-    if caps.type != "cpu" or mode.fp8:
+    elsewhere and for converted Linears (no CPU kernels: they are emulated)."""
+    if caps.type != "cpu" or mode.converts:
         return None
     return _cpu_matmul_tflops(caps, mode.low_dtype or torch.float32, cache_dir)
 
@@ -149,7 +149,12 @@ def _cpu_matmul_tflops(caps, dtype: torch.dtype, cache_dir: Path) -> float:
 def emulation_slowdown(caps, mode: Mode, cache_dir: Path) -> float | None:
     """On a CPU that only emulates `mode`'s low-precision matmuls: how many times slower they run
     than fp32's (the cached rates, measured once per machine)."""
-    if caps.type != "cpu" or mode.low_dtype is None or mode.fp8 or caps.support(mode.compute)[0]:
+    if (
+        caps.type != "cpu"
+        or mode.low_dtype is None
+        or mode.converts
+        or caps.support(mode.compute)[0]
+    ):
         return None
     low = cpu_matmul_tflops(caps, mode, cache_dir)
     return _cpu_matmul_tflops(caps, torch.float32, cache_dir) / low if low else None

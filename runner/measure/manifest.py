@@ -8,11 +8,11 @@ GEMMs): the direction (forward, gradient of the input, gradient of the weight, a
 gradient checkpointing recomputes), its operands' formats and the format it computed in, and its
 FLOPs. Per parameter: trainable or not, changed over the run or not (a digest at the start and
 at the end), and the dtypes precision truth read off it (weights, gradients, master, optimizer
-state). The plan: fp32 islands (and `fp32_head`) compute in fp32 in all directions; fp8 and
-mxfp8 compute their converted Linears in their format and every other Linear is listed with its
-reason; every other matmul computes in the mode's arithmetic (in fp32 where `cpu_kernels`
-computes it so); frozen parameters never change and hold no optimizer state. Each difference is
-one line; `plan_held` is False where there is one."""
+state). The plan: fp32 islands (and `fp32_head`) compute in fp32 in all directions; a converting
+mode (fp8, mxfp8, nvfp4, mxfp4) computes its converted Linears in its format and every other Linear
+is listed with its reason; every other matmul computes in the mode's arithmetic (in fp32 where
+`cpu_kernels` computes it so); frozen parameters never change and hold no optimizer state. Each
+difference is one line; `plan_held` is False where there is one."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class Plan:
 
 
 def _expected(mode, precision) -> str:
-    """The arithmetic of a matmul outside islands and fp8's Linears, in `mode`."""
+    """The arithmetic of a matmul outside islands and converted Linears, in `mode`."""
     low = mode.low_dtype
     if low is None:
         on_gpu = precision.device.type == "cuda"
@@ -99,10 +99,10 @@ def _held(ran: str, planned: str) -> bool | None:
     return None if _RANK.get(ran, -1) > _RANK.get(planned, 9) else False
 
 
-def _by_rule(fp8, name: str, direction: str, mode, expected: str) -> tuple[str | None, str]:
+def _by_rule(converted, name: str, direction: str, mode, expected: str) -> tuple[str | None, str]:
     """(planned, why) for a direction of a converted Linear: its recipe rule's format (a rule's
     bf16 is autocast's arithmetic here: `expected`), the forward's for a recomputed forward."""
-    formats, rule = fp8.plan.get(name), fp8.rule_of.get(name)
+    formats, rule = converted.plan.get(name), converted.rule_of.get(name)
     if formats is None:  # converted by other means than the chooser (a test's)
         return (mode.compute if direction != WEIGHT_GRAD else None), f"the plan converts {name}"
     index = {FORWARD: 0, RECOMPUTE: 0, INPUT_GRAD: 1, WEIGHT_GRAD: 2}.get(direction)
@@ -121,8 +121,8 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
     """(mismatches, notes) of one audited step against the plan of its mode."""
     precision, mode = plan.precision, mode_of(stage["mode"])
     islands = plan.islands()
-    fp8 = precision.fp8 if mode.fp8 else None
-    skipped = fp8.skipped if fp8 else {}
+    converted = precision.converted if mode.converts else None
+    skipped = converted.skipped if converted else {}
     expected = _expected(mode, precision)
     island_arithmetic = "tf32" if mode.tf32 and precision.device.type == "cuda" else "fp32"
     mismatches: list[str] = []
@@ -134,9 +134,9 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
         if island is not None:
             why = f"the plan keeps {island} in fp32"
             planned = island_arithmetic
-        elif fp8 and _linear_like(r["class"]) and name not in skipped:
-            planned, why = _by_rule(fp8, name, r["direction"], mode, expected)
-        elif fp8 and _linear_like(r["class"]):
+        elif converted and _linear_like(r["class"]) and name not in skipped:
+            planned, why = _by_rule(converted, name, r["direction"], mode, expected)
+        elif converted and _linear_like(r["class"]):
             why = f"the plan leaves {name} out of {mode.name} ({skipped[name]})"
             planned = expected
         else:
@@ -145,8 +145,8 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
         if planned is None:
             continue
         held = _held(ran, planned)
-        if held is None and planned == mode.compute and mode.fp8:
-            held = False  # a converted Linear that computes above fp8 was not converted
+        if held is None and planned == mode.compute and mode.converts:
+            held = False  # a converted Linear that computes above its format was not converted
         if held is False:
             mismatches.append(f"{why}; {where} ran in {ran}")
         elif held is None:

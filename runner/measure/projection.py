@@ -188,7 +188,7 @@ def project(runs: dict[str, dict], gpus: list[str]) -> dict:
                 "max_batch": fitted_max_batch(coefficients, gpu),
                 "max_batch_from": run.get("memory_source"),
             }
-            if mode.fp8 and t and not row.get("converted_linears"):  # bf16 by another name
+            if mode.converts and t and not row.get("converted_linears"):  # bf16 by another name
                 words = run.get("nothing_converted") or "converted no Linear in its audited step"
                 row["nothing_converted"] = f"{precision} {words}"
             if mode.mfu_also_vs and t and (other := gpu.peaks.get(mode.mfu_also_vs)):
@@ -231,7 +231,7 @@ def run_entry(summary: dict, stage: dict, micro_batch: int | None, row: dict | N
         **per_step,
         "memory_coefficients": coefficients,
         "memory_source": source,
-        "nothing_converted": (summary.get("fp8") or {}).get("nothing_converted"),
+        "nothing_converted": (summary.get("converted") or {}).get("nothing_converted"),
     }
 
 

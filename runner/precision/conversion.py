@@ -1,4 +1,4 @@
-"""A converted layer replaces a module of the model (runner/precision/fp8.py's Linears, fp4's,
+"""A converted layer replaces a module of the model (runner/precision/converted.py's Linears,
 and the plain nn.Linear an evaluation puts back in a converted one's place): what it takes over
 from the one it replaces, and transformers' `Conv1D` (GPT-2's projections, an nn.Linear with its
 weight stored (in, out)) as the `nn.Linear` it computes, saved and loaded in the Conv1D's layout

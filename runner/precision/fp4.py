@@ -1,9 +1,9 @@
 """FP4 Linears, emulated: precision=nvfp4 and precision=mxfp4 on any device. The Linears are
-chosen by fp8's chooser (`Fp8Linears`: skip rules, keep_bf16 blocks, fp32 islands, LoRA's
-adapters left out, GPT-2's Conv1D converted keeping its trainability, hooks and saved layout),
-read from precision.fp4; each chosen one becomes an `Fp4Linear` whose three GEMMs quantize their
-operands as the hardware rounds them (E2M1 values in blocks along each GEMM's inner dimension)
-and multiply the dequantized values in fp32:
+chosen by the converting modes' chooser (`ConvertedLinears`: skip rules, keep_bf16 blocks, fp32
+islands, LoRA's adapters left out, GPT-2's Conv1D converted keeping its trainability, hooks and
+saved layout), read from precision.fp4; each chosen one becomes an `Fp4Linear` whose three
+GEMMs quantize their operands as the hardware rounds them (E2M1 values in blocks along each
+GEMM's inner dimension) and multiply the dequantized values in fp32:
 
 - forward  y  = q(x) q(W)ᵀ
 - dgrad    dx = q(dy) q(W)            (precision.fp4.weight_2d: W quantized once, in 16×16 tiles,
@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.precision.converted import ConvertedLinears
 from runner.precision.fp4_mm import FP4_MM
 from runner.precision.fp4_quant import HADAMARD_SIZE, Fp4Format
 from runner.precision.fp4_rounding import Recipe, _matmul, high_mm, sr_seed
-from runner.precision.fp8 import Fp8Linears
 from runner.precision.layers import recomputing
 from runner.precision.recipe import HIGH
 
@@ -110,9 +110,9 @@ class Fp4Linear(nn.Linear):
         return y.to(out_dtype).reshape(*x.shape[:-1], -1)
 
 
-class Fp4Linears(Fp8Linears):
-    """precision=nvfp4 / mxfp4: fp8's chooser (runner/precision/fp8.py) on precision.fp4's keys,
-    the chosen Linears becoming `Fp4Linear`s of the run's `Recipe`."""
+class Fp4Linears(ConvertedLinears):
+    """precision=nvfp4 / mxfp4: the converting modes' chooser (runner/precision/converted.py) on
+    precision.fp4's keys, the chosen Linears becoming `Fp4Linear`s of the run's `Recipe`."""
 
     keys = "precision.fp4"
 
@@ -160,7 +160,7 @@ class Fp4Linears(Fp8Linears):
         self._layer = Fp4Linear
 
     def report(self) -> dict:
-        """fp8's report and the recipe's; the tiles' health is measure's to read off
+        """The chooser's report and the recipe's; the tiles' health is measure's to read off
         `recipe.counts` (runner/measure/health.py's `fp4_health`)."""
         r = self.recipe
         return super().report() | {
@@ -180,18 +180,18 @@ class Fp4Linears(Fp8Linears):
 
 class _Fp4Gemms(TorchDispatchMode):
     """The FLOPs of the step's `amp_runner::fp4_mm` ops (model FLOPs: a recomputed forward is not
-    counted again), in the key the summary's fp8 block reads."""
+    counted again), in the key the summary's `converted` section reads."""
 
     def __init__(self):
         super().__init__()
-        self.counts = {"fp8_flops_per_step": 0}
+        self.counts = {"converted_flops_per_step": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func._overloadpacket is FP4_MM and not recomputing():
             a, b = args[0], args[3]
-            self.counts["fp8_flops_per_step"] += 4 * a.shape[0] * b.shape[0] * a.shape[1]
+            self.counts["converted_flops_per_step"] += 4 * a.shape[0] * b.shape[0] * a.shape[1]
         return out
 
 

@@ -8,7 +8,8 @@ Outermost first:
 2. `island`: an fp32 island (precision.fp32_modules): autocast off, floating inputs to fp32;
 3. `cast`: the mode's casts at the module's boundary (bf16_true: inputs to the weights' dtype,
    outputs handed on in the dtype the next module expects);
-4. `fp8`: fp8's switch between the converted Linear and the plain one (staged runs).
+4. `converted`: a converting mode's switch between the converted Linear and the plain one (staged
+   runs; runner/precision/converted.py).
 
 A layer is `fn(module, forward, *args, **kwargs)`: it calls `forward` (the layers inside it and
 the module's own forward) as it sees fit. The composed forward is a method bound to the module,
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-ORDER = ("checkpoint", "island", "cast", "fp8")
+ORDER = ("checkpoint", "island", "cast", "converted")
 Layer = Callable[..., object]
 
 

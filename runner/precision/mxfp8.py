@@ -1,6 +1,6 @@
 """precision=mxfp8's format: torchao's MXFP8 training (fp8 e4m3 values with one power-of-two
 scale per block of 32 along each GEMM's inner dimension), on the Linears that precision.fp8's
-skip rules choose (runner/precision/fp8.py, shared with fp8).
+skip rules choose (runner/precision/converted.py, shared with fp8, nvfp4 and mxfp4).
 
 torchao 0.18 trains dense Linears in MXFP8 with `MXFP8Linear` (moe_training/mxfp8_linear.py):
 an `nn.Linear` whose three GEMMs quantize their operands to MXFP8 and run torchao's sm_100
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from runner.precision.caps import DeviceCaps
-from runner.precision.fp8 import Fp8Linears, import_torchao
+from runner.precision.converted import ConvertedLinears, import_torchao
 
 
-class MXFP8(Fp8Linears):
+class MXFP8(ConvertedLinears):
     """Chosen Linears become torchao's `MXFP8Linear` (same weights): its kernels where the GPU
     has MXFP8 units (sm_100+), its emulation elsewhere (a CPU; a GPU with allow_emulated)."""
 
@@ -61,18 +61,18 @@ class MXFP8(Fp8Linears):
             "torchao.prototype.mx_formats.mx_tensor", "mxfp8"
         ).MXTensor
 
-    def _compute(self, layer: nn.Module, fp8_forward: Callable, x: torch.Tensor) -> torch.Tensor:
+    def _compute(self, layer: nn.Module, low_forward: Callable, x: torch.Tensor) -> torch.Tensor:
         # The sm_100 kernels take any high-precision operands and return the recipe's out_dtype
         # (bf16). The emulation multiplies the dequantized operands in their own dtype, so they
         # must match (a bf16 input, the fp32 weight: the input widened, which changes no MXFP8
         # value), and its result is rounded to bf16 as the GPU's is.
         x = x.to(layer.weight.dtype)
-        return (fp8_forward(x) if self.native else _eagerly(fp8_forward, x)).to(self._out_dtype)
+        return (low_forward(x) if self.native else _eagerly(low_forward, x)).to(self._out_dtype)
 
 
 @torch.compiler.disable
-def _eagerly(fp8_forward: Callable, x: torch.Tensor) -> torch.Tensor:
+def _eagerly(low_forward: Callable, x: torch.Tensor) -> torch.Tensor:
     """The emulation outside torch.compile: Inductor's CPU code for it, with a dynamic row count
     padded to one block of 32, computes a wrong weight gradient (torch 2.13; garbage up to 1e36,
     tests/test_mxfp8.py). The emulation is there for its numerics, not its speed."""
-    return fp8_forward(x)
+    return low_forward(x)

@@ -23,8 +23,8 @@ from runner.precision.step import StepResult, optimizer_step
 
 class Precision:
     """The precision in force on one device: resolves `auto`, checks support, owns the scaler,
-    fp16_master's fp32 master weights and fp8's converted Linears, and follows a `staged`
-    schedule step by step; what each mode is, it asks the mode (runner/precision/modes/).
+    fp16_master's fp32 master weights and a converting mode's converted Linears, and follows a
+    `staged` schedule step by step; what each mode is, it asks the mode (runner/precision/modes/).
 
     The loop calls `autocast()`, `backward()` and `step()`; it never touches `torch.amp`."""
 
@@ -50,11 +50,11 @@ class Precision:
         modes = [m for _, m, _ in self.stages]
         self.loss_scaler = LossScaler(cfg.grad_scaler, device, sharded, modes)
         self.master = MasterWeights()
-        # fp8's (or mxfp8's) Linears are converted once; they compute so in its stages only
-        fp8 = [mode_of(m) for m in modes if mode_of(m).fp8]  # one format (validation)
-        self.fp8 = fp8[0].linears(cfg.fp8, self.caps) if fp8 else None
-        if self.fp8:  # precision.recipe's rules, ahead of the shorthands
-            self.fp8.user_rules = recipe.for_run(cfg, self.fp8.compute, self.caps)
+        # a converting mode's Linears are converted once; they compute so in its stages only
+        converting = [mode_of(m) for m in modes if mode_of(m).converts]  # one format (validation)
+        self.converted = converting[0].linears(cfg.fp8, self.caps) if converting else None
+        if self.converted:  # precision.recipe's rules, ahead of the shorthands
+            self.converted.user_rules = recipe.for_run(cfg, self.converted.compute, self.caps)
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
         self.fast_kernels = FastKernels(emulated_dtypes(cfg.cpu_kernels, self.caps, modes))
         self._saved_matmul_precision = torch.get_float32_matmul_precision()
@@ -88,8 +88,8 @@ class Precision:
         self.in_force: Mode = mode_of(mode)
         self.dtype = self.in_force.autocast
         self.loss_scaler.enter(self.in_force)
-        if self.fp8:
-            self.fp8.active = self.in_force.fp8
+        if self.converted:
+            self.converted.active = self.in_force.converts
         self.in_force.set_matmuls()
 
     def at_step(self, step: int) -> bool:
@@ -117,8 +117,8 @@ class Precision:
             mode_of(mode).convert(self, model, kept, norms)
 
     def counting(self) -> contextlib.AbstractContextManager:
-        """In the audited step: what the mode adds to the audit (fp8's GEMM FLOPs)."""
-        return self.fp8.counting() if self.fp8 else contextlib.nullcontext()
+        """In the audited step: what the mode adds to the audit (its converted GEMMs' FLOPs)."""
+        return self.converted.counting() if self.converted else contextlib.nullcontext()
 
     def optimizer_groups(self, groups: dict[str, list]) -> dict[str, list]:
         return self.master.optimizer_groups(groups)
@@ -188,8 +188,8 @@ class Precision:
             no_scale=self.loss_scaler.unscaled,
         )
         self.master.copy_back()
-        if self.fp8:
-            self.fp8.after_step()
+        if self.converted:
+            self.converted.after_step()
         return result
 
     def _average_over_ranks(self, grads: list[torch.Tensor]) -> None:

@@ -5,7 +5,7 @@ same); each direction gets the run's converting format (fp8, mxfp8, nvfp4, mxfp4
 bf16 (autocast's), fp32 where the format's machinery computes it (nvfp4, mxfp4). The one place
 rules are parsed and matched: `precision.recipe=FILE.yaml` (the user's rules), and the per-layer
 shorthands (fp32 islands, precision.fp8/fp4's skip, min_features, keep_bf16, LoRA adapters),
-which runner/precision/fp8.py's chooser expands into rules of the same kind."""
+which runner/precision/converted.py's chooser expands into rules of the same kind."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 user's recipe file, precision.fp8's (or fp4's) keep_bf16 blocks, LoRA's adapters, min_features,
 skip (`first`, `last` and name patterns), and the mode's default, in that order of precedence
 (first match wins). The shorthands' keys stay public; each becomes a rule that names its key and
-keeps the words a Linear it leaves out is listed with in `fp8.skipped`."""
+keeps the words a Linear it leaves out is listed with in `converted.skipped`."""
 
 from __future__ import annotations
 

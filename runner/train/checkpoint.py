@@ -225,7 +225,7 @@ class Checkpointer:
 
 def _fp4_recipe(trainer) -> Recipe | None:
     """nvfp4's or mxfp4's recipe (its stochastic rounding generators), None in other modes."""
-    recipe = getattr(trainer.precision.fp8, "recipe", None)
+    recipe = getattr(trainer.precision.converted, "recipe", None)
     return recipe if isinstance(recipe, Recipe) else None
 
 

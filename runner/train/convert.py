@@ -36,8 +36,8 @@ def convert_precision(state: dict, task: torch.nn.Module, precision, allowed: bo
             raise UserError(
                 f"the precision={saved} checkpoint's fp32 master weights do not fit this model"
             )
-        # as the checkpoint's tensors load: in the layout the model saves (fp8's Linears, GPT-2's
-        # Conv1D's), whatever the mode converted in memory
+        # as the checkpoint's tensors load: in the layout the model saves (converted Linears,
+        # GPT-2's Conv1D's), whatever the mode converted in memory
         task.load_state_dict(dict(zip(owners, masters, strict=True)), strict=False)
         changes.append(f"its fp32 master weights ({len(masters)}) loaded, not their fp16 copies")
     elif precision.master and not masters:

@@ -74,5 +74,5 @@ def full_state(task: torch.nn.Module, state: dict) -> dict:
                 "run's (the run rebuilds its base from model.name_or_path or model.net, which "
                 "must be the one it trained on)"
             )
-    current = task.state_dict()  # in the layout the model saves (fp8's Linears: their Conv1D's)
+    current = task.state_dict()  # in the layout the model saves (converted Linears: their Conv1D's)
     return {**state["model"], **{name: current[name] for name in own}}

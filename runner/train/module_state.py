@@ -1,7 +1,7 @@
 """A checkpoint's modules (runner/train/checkpoint.py saves and restores them): the model,
-optimizers and schedules as a checkpoint holds them (a fine-tune's frozen base left out, fp8's
-transposed weights in the model's own layout, FSDP's by parameter name) and back, and the check
-that the state to save is finite."""
+optimizers and schedules as a checkpoint holds them (a fine-tune's frozen base left out, converted
+Linears' transposed weights in the model's own layout, FSDP's by parameter name) and back, and the
+check that the state to save is finite."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def _by_group(states: dict) -> dict:
 
 
 def _saved_layout(task: torch.nn.Module, optimizer, state: dict) -> dict:
-    """An optimizer's state dict with the moments of the weights the model saves transposed (a
-    GPT-2 `Conv1D` that fp8 made a Linear: runner/precision/fp8.py) transposed too, saving or
-    loading: a checkpoint holds the model's own layout, whatever a mode converts in memory."""
+    """An optimizer's state dict with the moments of the weights the model saves transposed (a GPT-2
+    `Conv1D` a converting mode made a Linear: runner/precision/conversion.py) transposed too, saving
+    or loading: a checkpoint holds the model's own layout, whatever a mode converts in memory."""
     transposed = saved_transposed(task)
     if not transposed:
         return state

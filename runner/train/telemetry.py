@@ -118,8 +118,8 @@ class Meter:
     ):
         """Records the step op by op, where no audit exists yet: which dtype each op ran in, what
         its forwards save for backward, and each matmul by module and direction (the precision
-        manifest, printed here); `probe` measures before it (fp16 health), and `counting` adds
-        its own figures (fp8's GEMMs). `mode`, `step`: the mode in force and the step audited.
+        manifest, printed here); `probe` measures before it (fp16 health), and `counting` adds its
+        own figures (the converted GEMMs'). `mode`, `step`: the mode in force and the step audited.
         Eagerly: Dynamo skips for good a frame it meets under a dispatch mode."""
         if self.audit is not None:
             yield

@@ -89,5 +89,6 @@ def test_recipes_are_rows_named_by_file_with_share_gap_and_time(tmp_path):
     for folder, name in (("recipe0", "one_wgrad.yaml"), ("recipe1", "block1.yaml")):
         summary = json.loads((sweep / folder / "summary.json").read_text())
         assert any(
-            r.endswith(f"(rule 1 of {tmp_path / name})") for r in summary["fp8"]["recipe_in_force"]
+            r.endswith(f"(rule 1 of {tmp_path / name})")
+            for r in summary["converted"]["recipe_in_force"]
         )

@@ -5,15 +5,22 @@ and which arithmetic the device must support (also the peak its MFU is measured 
 runner asks these, never a mode's name: a new mode is its own module.
 
 `Precision` follows the stages and asks the mode in force; the step is the shared one
-(runner/precision/step.py), which fp16_master's masters and fp8's scales hook into."""
+(runner/precision/step.py), which fp16_master's masters and fp8's scales hook into. A mode that
+converts Linears is a `Converting` one."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from runner.precision.caps import DeviceCaps
+    from runner.precision.converted import ConvertedLinears
 
 # precision truth's reason where a weight is not fp32 in a mode that keeps fp32 weights
 MIXED_WEIGHTS = "keeps fp32 weights and autocasts per op (a .half() or .to(dtype) in the model?)"
@@ -35,7 +42,9 @@ class Mode:
     weights: str = "fp32"  # the weights' dtype outside the modules kept fp32 (islands, norms)
     masters: bool = False  # the optimizer steps fp32 master copies of the weights
     tf32: bool = False  # fp32 matmuls and convolutions in TF32
-    fp8: bool = False  # Linears converted to fp8 (precision.fp8), computing in fp8 in this mode
+    converts: bool = (
+        False  # Linears converted to its format (a `Converting` mode), computing so in it
+    )
     stageable: bool = True  # a `staged` schedule can use it
     fsdp_refusal: str | None = None  # why trainer.strategy=fsdp refuses it (None: it runs)
     # The mode whose peak its MFU is also reported against (mfu_vs_<it>_peak): fp8's, bf16's, as
@@ -44,7 +53,8 @@ class Mode:
 
     @property
     def low_dtype(self) -> torch.dtype | None:
-        """The low-precision dtype its (non-fp8) matmuls compute in; None for fp32 arithmetic."""
+        """The low-precision dtype its other matmuls (not converted Linears') compute in; None for
+        fp32 arithmetic."""
         return self.autocast or (DTYPES[self.weights] if self.weights != "fp32" else None)
 
     def set_matmuls(self) -> None:
@@ -63,7 +73,7 @@ class Mode:
     ) -> None:
         """What the mode does to the model once, before training (islands are installed in
         every mode already): nothing for an autocast mode. `precision`: the Precision in force
-        (runner/precision/plan.py), whose parts (masters, fp8) the mode fills in."""
+        (runner/precision/plan.py), whose parts (masters, converted Linears) the mode fills in."""
 
     def expects(self, cfg, row: dict) -> tuple[str, str]:
         """(dtype, why): the weights precision truth expects for one of its rows."""
@@ -77,3 +87,21 @@ class Mode:
         expected = "fp32" if island or (norms and row["norm"]) else self.weights
         where = "in" if expected == "fp32" else "outside"
         return expected, f"precision={self.name} holds {expected} weights {where} {kept}"
+
+
+class Converting(Mode, abc.ABC):
+    """A mode whose chosen Linears are converted to its format once (fp8, mxfp8, nvfp4, mxfp4:
+    runner/precision/converted.py) and compute in it in its stages; bf16 autocast for the rest."""
+
+    # precision.fp8 keys this format ignores, each refused at validation unless unset:
+    # (key, its unset value, why)
+    ignored_fp8_keys: tuple[tuple[str, object, str], ...] = ()
+
+    @abc.abstractmethod
+    def linears(self, cfg, caps: DeviceCaps) -> ConvertedLinears:
+        """What converts and switches its Linears (`cfg`: precision.fp8, the chooser's keys and
+        the fp8 formats' own)."""
+
+    def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
+        """Converts the chosen Linears (islands left out)."""
+        precision.converted.prepare(model, islands)

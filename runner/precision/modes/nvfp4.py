@@ -1,8 +1,8 @@
-"""precision=nvfp4: NVIDIA's FP4 training recipe (arXiv 2509.25149), emulated: the Linears fp8's
-chooser picks (read from precision.fp4) compute their three GEMMs in NVFP4 (E2M1 in blocks of 16,
-an E4M3 scale per block, an FP32 scale per tensor) with 16×16 weight tiles, a random Hadamard
-transform of the weight gradient's inputs and stochastically rounded gradients, each a switch
-(runner/precision/fp4.py); bf16 autocast for the rest."""
+"""precision=nvfp4: NVIDIA's FP4 training recipe (arXiv 2509.25149), emulated: the Linears the
+converting modes' chooser picks (read from precision.fp4) compute their three GEMMs in NVFP4 (E2M1
+in blocks of 16, an E4M3 scale per block, an FP32 scale per tensor) with 16×16 weight tiles, a
+random Hadamard transform of the weight gradient's inputs and stochastically rounded gradients,
+each a switch (runner/precision/fp4.py); bf16 autocast for the rest."""
 
 from collections.abc import Sequence
 
@@ -12,7 +12,7 @@ from torch import nn
 from runner.precision.caps import DeviceCaps
 from runner.precision.fp4 import Fp4Linears
 from runner.precision.fp4_quant import FORMATS
-from runner.precision.modes.fp8 import Fp8
+from runner.precision.modes.base import Converting
 
 # precision.fp8's keys, refused unless unset: fp4's chooser reads precision.fp4
 _FP8_KEYS = (
@@ -25,8 +25,9 @@ _FP8_KEYS = (
 )
 
 
-class Fp4(Fp8):
-    """An FP4 format (its `compute`: nvfp4 or mxfp4), fp8's chooser on precision.fp4's keys."""
+class Fp4(Converting):
+    """An FP4 format (its `compute`: nvfp4 or mxfp4), the converting modes' chooser on
+    precision.fp4's keys."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -43,8 +44,8 @@ class Fp4(Fp8):
         return Fp4Linears(cfg, FORMATS[self.compute])
 
     def convert(self, precision, model: nn.Module, islands: Sequence[nn.Module], norms) -> None:
-        precision.fp8.configure(precision.cfg.fp4)
-        precision.fp8.prepare(model, islands)
+        precision.converted.configure(precision.cfg.fp4)
+        super().convert(precision, model, islands, norms)
 
 
-MODE = Fp4("nvfp4", compute="nvfp4", autocast=torch.bfloat16, fp8=True, mfu_also_vs="bf16")
+MODE = Fp4("nvfp4", compute="nvfp4", autocast=torch.bfloat16, converts=True, mfu_also_vs="bf16")
