@@ -46,6 +46,7 @@ def test_fp4_gemm_records_carry_unpacked_mkn_and_pay_their_quantization(fmt):
     assert projected["quantization_s"] == pytest.approx(expected) and expected > 0
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test stays under 10 minutes
 def test_a_gpt_projects_nvfp4_below_bf16_and_apart_from_mxfp4():
     """The issue's GPT (2 blocks, n_embd 128, 2048 tokens a step) on a B200, audited as
     `python -m runner.project` audits it: each FP4 GEMM record carries its Linear's M/K/N, and

@@ -126,6 +126,7 @@ def test_each_precision_fits_its_own_batch_and_the_comparison_says_how_many_time
     plt.close(fig)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test stays under 10 minutes
 def test_the_longest_sequence_is_measured_and_stops_at_the_models_position_table(tmp_path):
     """A budget of 3 MB binds below the table: the fitted longest sequence fits, one token more
     does not. At 10 MB the fit allows more than the model's 64 positions: the model refuses

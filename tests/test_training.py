@@ -145,6 +145,7 @@ def test_run_outputs_follow_the_contract(tmp_path):
     assert load_last(tmp_path)["step"] == 7
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: make test stays under 10 minutes
 def test_generated_corpus_is_learnable(tmp_path):
     """The MLM loss falls well below the unigram entropy of the training tokens: the data has
     structure a model can learn, so a precision that hurts learning shows up. The corpus is what
