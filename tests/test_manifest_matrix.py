@@ -459,6 +459,26 @@ def assert_manifest(summary: dict, islands: list[str] = ()) -> None:
     for name, p in manifest["parameters"].items():
         if not p["trainable"]:
             assert p["changed"] is False and not p["optimizer_state"], (name, p)
+    assert_errors_match(summary, seen)
+
+
+def assert_errors_match(summary: dict, seen: list[dict]) -> None:
+    """Each matmul's measured error (on by default) is of what the dispatcher saw: every record
+    of an audited step names a module, direction and format the manifest has, and every Linear
+    the manifest saw compute a forward has its forward measured."""
+    audited = {stage["step"] for stage in summary["precision_manifest"]["stages"]}
+    records = [r for r in summary["matmul_error"] if r["step"] in audited]
+    assert records, "no matmul was measured on the audited step"
+    ran = {(o["module"], o["direction"], o["format"]) for o in seen}
+    for r in records:
+        assert (r["module"], r["direction"], r["format"]) in ran, (r, sorted(ran))
+    measured = {r["module"] for r in records if r["direction"] == "forward"}
+    linears = {
+        o["module"]
+        for o in seen
+        if o["direction"] == "forward" and (o["class"].endswith("Linear") or o["class"] == "Conv1D")
+    }
+    assert linears <= measured, linears - measured
 
 
 def refused(cfg_overrides: list[str], pattern: str, out: Path) -> None:

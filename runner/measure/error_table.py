@@ -53,7 +53,8 @@ class MatmulErrors:
     def _measuring(self, outer: contextlib.AbstractContextManager, step: int, audited: bool):
         linears = self.precision.converted
         converted = bool(linears and linears.active)
-        probe = ErrorProbe(self.model, step, converted)
+        fast = frozenset(self.precision.fast_kernels.dtypes)
+        probe = ErrorProbe(self.model, step, converted, fast)
         with outer:
             with torch.compiler.set_stance("force_eager"), probe:  # hooks: eagerly, as the audit
                 yield

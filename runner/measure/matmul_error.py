@@ -132,11 +132,12 @@ class _Call:
 class ErrorProbe:
     """While entered, measures every matmul module's error (see the module's docstring); then
     `records()`. `converted`: whether converted Linears run in their format (a staged run's
-    other stages run them plain)."""
+    other stages run them plain); `fast`: the dtypes whose matmuls the CPU's fast kernels compute
+    in fp32 from their rounded operands (runner/precision/cpu_kernels.py)."""
 
-    def __init__(self, model: nn.Module, step: int, converted: bool):
+    def __init__(self, model: nn.Module, step: int, converted: bool, fast: frozenset = frozenset()):
         self.model, self.step = model, step
-        self.converted = converted
+        self.converted, self.fast = converted, fast
         self.tallies: dict[tuple[str, str], dict] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
         self._handles: list = []
@@ -162,7 +163,7 @@ class ErrorProbe:
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         grad = torch.is_grad_enabled()
         with aside(x.device):
-            formats = operand_formats(module, autocast, self.converted)
+            formats = operand_formats(module, autocast, self.converted, self.fast)
             call = _Call(self, name, module, x, formats)
         self._open.setdefault(module, []).append(call)
         if not grad:

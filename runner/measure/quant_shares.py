@@ -31,6 +31,7 @@ from runner.measure.truth import short
 from runner.precision.fp4 import Fp4Linear
 from runner.precision.fp4_quant import E2M1_MAX, HADAMARD_SIZE, Fp4Format, quantize
 from runner.precision.fp32_islands import is_island
+from runner.precision.recipe import HIGH
 
 ROLES = {FORWARD: ("x", "w"), INPUT_GRAD: ("dy", "w"), WEIGHT_GRAD: ("dy", "x")}
 _FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -74,8 +75,9 @@ def fp4(fmt: Fp4Format, tile: tuple[int, int], rotate=None) -> OperandFormat:
     return OperandFormat(f"{fmt.name} e2m1 {shape}{rht}", None, "block", fmt, tile, rotate)
 
 
-def _float8(config, high: OperandFormat) -> dict[str, tuple[str, tuple]]:
-    """torchao float8's cast configs, per direction (DISABLED: the high-precision operand)."""
+def _float8(config, high: OperandFormat, computed: str) -> dict[str, tuple[str, tuple]]:
+    """torchao float8's cast configs, per direction (DISABLED: the high-precision operand, a GEMM
+    of two such computed in `computed`)."""
 
     def one(cast_config) -> OperandFormat:
         if cast_config.scaling_type.name == "DISABLED":
@@ -94,24 +96,29 @@ def _float8(config, high: OperandFormat) -> dict[str, tuple[str, tuple]]:
     out = {}
     for direction, (a, b) in pairs.items():
         formats = (one(a), one(b))
-        out[direction] = ("fp8" if any(f.dtype in _FP8 for f in formats) else high.name, formats)
+        out[direction] = ("fp8" if any(f.dtype in _FP8 for f in formats) else computed, formats)
     return out
 
 
 def operand_formats(
-    module: nn.Module, autocast: torch.dtype | None, converted: bool
+    module: nn.Module, autocast: torch.dtype | None, converted: bool, fast: frozenset = frozenset()
 ) -> dict[str, tuple[str, tuple[OperandFormat, OperandFormat]]]:
     """direction → (the format it computes in, its two operands' formats), for `module` called
     under `autocast` (its dtype, None where off); `converted`: whether converted Linears run in
-    their format now (a staged run's other stages run them plain)."""
+    their format now (a staged run's other stages run them plain); `fast`: the dtypes the CPU's
+    fast kernels compute in fp32 from their rounded operands (the manifest's fp32 from bf16)."""
     weight = module.weight
     if is_island(module) or (autocast is None and weight.dtype == torch.float32):
         high = FP32
     else:  # autocast's dtype, or the weights' own (bf16_true, fp16_master)
         high = cast(autocast or weight.dtype)
+
+    def computed(fmt: OperandFormat) -> str:  # a high-precision GEMM's format, as the manifest's
+        return FP32.name if fmt.dtype in fast else fmt.name
+
     config = getattr(module, "config", None)
     if converted and hasattr(config, "cast_config_input"):  # torchao's Float8Linear
-        return _float8(config, high)
+        return _float8(config, high, computed(high))
     if converted and type(module).__name__ == "MXFP8Linear":
         low = ("mxfp8", (MXFP8, MXFP8))
         weight_grad = ("fp32", (FP32, FP32)) if getattr(module, "wgrad_with_hp", False) else low
@@ -122,12 +129,15 @@ def operand_formats(
         w = fp4(r.fmt, (block, block) if r.weight_2d else (1, block))
         row = fp4(r.fmt, (1, block))
         rotated = fp4(r.fmt, (1, block), r.rotate if r.rht else None)
-        return {
-            FORWARD: (r.fmt.name, (row, w)),
-            INPUT_GRAD: (r.fmt.name, (row, w)),
-            WEIGHT_GRAD: (r.fmt.name, (rotated, rotated)),
-        }
-    return dict.fromkeys(ROLES, (high.name, (high, high)))
+        low = {FORWARD: (row, w), INPUT_GRAD: (row, w), WEIGHT_GRAD: (rotated, rotated)}
+        out = {}
+        for direction, kept in zip(ROLES, module.formats, strict=True):  # a recipe's, per GEMM
+            fmt = FP32 if kept == "fp32" else cast(torch.bfloat16)
+            out[direction] = (
+                (computed(fmt), (fmt, fmt)) if kept in HIGH else (r.fmt.name, low[direction])
+            )
+        return out
+    return dict.fromkeys(ROLES, (computed(high), (high, high)))
 
 
 def _padded(t: Tensor, rows: int, cols: int) -> Tensor:
