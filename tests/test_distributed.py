@@ -244,6 +244,7 @@ def test_torchrun_runs_two_ranks_into_one_run_directory(tmp_path):
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 1  # rank 1 made no directory
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test stays under 10 minutes
 def test_a_submitit_job_with_two_tasks_trains_as_two_ranks(tmp_path):
     """Hydra's submitit launcher (local here, SLURM on a cluster): each task of a job is a rank."""
     sweep = tmp_path / "sweep"

@@ -240,6 +240,7 @@ def _digests(folder) -> dict[str, str]:
     return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names}
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test stays under 10 minutes
 def test_a_finished_run_resumed_on_two_ranks_ends_at_once_with_its_summary(tmp_path):
     from tests.test_distributed import run_ranks
 
