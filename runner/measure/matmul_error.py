@@ -48,12 +48,16 @@ def matmul_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)}
 
 
+def _whole(t: Tensor) -> Tensor:
+    """A parameter as the module holds it now: under FSDP the unsharded one its unit gathered,
+    or where the unit has resharded it, the whole one gathered from the shards."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _weight(module: nn.Module) -> Tensor:
-    """The module's weight (out × in) as it holds it now: under FSDP the unsharded one its unit
-    gathered, or where the unit has resharded it, the whole weight gathered from the shards."""
-    weight = module.weight.detach()
-    if hasattr(weight, "full_tensor"):
-        weight = weight.full_tensor()
+    """The module's whole weight, out × in."""
+    weight = _whole(module.weight)
     return weight.t() if is_conv1d(module) else weight
 
 
@@ -74,9 +78,7 @@ class _Call:
 
     def forward(self, y: Tensor) -> None:
         w, bias = _weight(self.module), self.module.bias
-        bias = None if bias is None else bias.detach()
-        if hasattr(bias, "full_tensor"):
-            bias = bias.full_tensor()
+        bias = None if bias is None else _whole(bias)
         run = y.detach().reshape(-1, y.shape[-1])
         self.probe.add(self, FORWARD, product_sums(run, self.x, w, bias), (self.x, w))
 
