@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import console, wandb_file
 from runner.errors import first_line
+from runner.files import read_rows, write_text
 
 # Set by the entry point for a multirun (and inherited by launcher subprocesses): the keys the
 # sweep varies, so every job is named after the values that tell it apart.
@@ -181,14 +182,15 @@ class RunLog:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "metrics.jsonl"
-        if resume_step is not None and path.exists():
-            for line in path.read_text().splitlines():
-                row = json.loads(line) if line.strip() else None
-                if row is not None and row["step"] <= resume_step:
-                    self.previous_rows.append(row)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(dumps(r) + "\n" for r in self.previous_rows))
-        os.replace(tmp, path)
+        if resume_step is not None:
+            rows, whole = read_rows(path)
+            if path.exists() and whole < path.stat().st_size:
+                console.say(
+                    f"[yellow]warning:[/] {path}: a line torn by a kill while it was written: cut "
+                    f"there, the {len(rows)} whole rows before it kept"
+                )
+            self.previous_rows = [r for r in rows if r.get("step", 0) <= resume_step]
+        write_text(path, "".join(dumps(r) + "\n" for r in self.previous_rows))
         self._metrics = open(path, "a", encoding="utf-8")
         if tracker is not None and hasattr(tracker, "carry"):
             tracker.carry(self.previous_rows)
@@ -233,7 +235,7 @@ class RunLog:
             return
         if not self._metrics.closed:
             self._metrics.close()
-        (self.out_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")
+        write_text(self.out_dir / "summary.json", dumps(summary, indent=2) + "\n")
         offline_dir = self.tracker.offline_dir if self.tracker else None
         self._to_tracker("finish", summary, exit_code)
         if offline_dir:

@@ -11,6 +11,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from runner.errors import UserError
+from runner.files import read_json, read_rows
+from runner.folders import SWEEP_RECORD, member, read_record
 from runner.tracking import flat_config
 
 # Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
@@ -114,23 +116,22 @@ def _shown(value: str | None, key: str = "") -> str:
 
 
 def _read_job(folder: Path) -> Job:
-    summary_file, metrics_file = folder / "summary.json", folder / "metrics.jsonl"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    if not summary:
+    try:
+        summary = read_json(folder / "summary.json") or {}
+    except ValueError:  # torn or garbled: the job is compared without it, and named
+        summary = {"status": "failed", "error": "summary.json unreadable"}
+    if not isinstance(summary, dict) or not summary:
         summary = {
             "status": "failed",
             "error": "no summary.json: the job was killed or never started",
         }
-    record_file = folder / LAUNCHER_RECORD
-    if summary.get("status") != "completed" and record_file.exists():
-        record = json.loads(record_file.read_text())
+    record = read_record(folder, LAUNCHER_RECORD)
+    if summary.get("status") != "completed" and record:
         if record.get("state") not in (None, "COMPLETED"):
             why = record.get("why") or record["state"]
             said = summary.get("error") or summary.get("status")
             summary = summary | {"error": f"{why} ({said})" if said else why}
-    rows = []
-    if metrics_file.exists():
-        rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows, _ = read_rows(folder / "metrics.jsonl")  # a line a kill tore: the rows before it
     hydra_dir = folder / ".hydra"
     config = (
         OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"))
@@ -145,10 +146,12 @@ def _read_job(folder: Path) -> Job:
     return Job(folder, summary, rows, config, overrides)
 
 
-def load_sweep(sweep_dir: Path) -> list[Job]:
+def job_folders(sweep_dir: Path) -> tuple[list[Path], list[Path]]:
+    """The sweep folder's job folders: those of the sweep its last command named (its
+    sweep.json), and the others (another command's, left in the folder)."""
     if not sweep_dir.is_dir():
         raise UserError(f"compare: {sweep_dir} is not a folder")
-    folders = sorted(
+    found = sorted(
         (
             p
             for p in sweep_dir.iterdir()
@@ -156,10 +159,34 @@ def load_sweep(sweep_dir: Path) -> list[Job]:
         ),
         key=lambda p: (len(p.name), p.name),
     )
+    sweep = read_record(sweep_dir, SWEEP_RECORD).get("id")
+    ours = [p for p in found if member(p, sweep)]
+    return ours, [p for p in found if p not in ours]
+
+
+def load_sweep(sweep_dir: Path) -> list[Job]:
+    """The jobs of the sweep the folder's last command named (others are not read)."""
+    folders, others = job_folders(sweep_dir)
     if not folders:
+        more = f" ({len(others)} job folders of other commands)" if others else ""
         raise UserError(
-            f"compare: no runs in {sweep_dir} (expected job folders with .hydra/ or summary.json)"
+            f"compare: no runs of its sweep in {sweep_dir}{more} (expected job folders with "
+            ".hydra/ or summary.json)"
         )
     jobs = [_read_job(f) for f in folders]
     identify(jobs)
     return jobs
+
+
+def others_line(sweep_dir: Path) -> str | None:
+    """One line naming the job folders in `sweep_dir` that are not of its sweep, or None."""
+    _, others = job_folders(sweep_dir)
+    if not others:
+        return None
+    named = ", ".join(
+        f"{p.name} ({' '.join(_read_job(p).overrides) or 'no overrides'})" for p in others
+    )
+    return (
+        f"not part of this sweep (another command's jobs, left as they are and not compared): "
+        f"{named}"
+    )

@@ -20,16 +20,16 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner import console
+from runner import console, folders
 from runner.compare import capacity, dashboard, finetune, incomplete, report, seeds
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
-from runner.compare.jobs import Job, load_sweep
+from runner.compare.jobs import Job, load_sweep, others_line
 from runner.compare.stats import CONFIDENCE, as_float, quartiles
 from runner.compare.target import TargetSpec
 from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.config.schema import CompareConfig
-from runner.errors import UserError
+from runner.errors import UserError, fail
 from runner.summary_aliases import converted_section
 
 TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default
@@ -218,6 +218,8 @@ def compare(
             )
         return groups
     report.show(groups, sweep_dir, paths)
+    if others := others_line(sweep_dir):
+        console.say(others)
     if wandb_log:
         report.log_to_wandb(groups, sweep_dir, paths)
     return groups
@@ -229,6 +231,22 @@ class CompareCallback(Callback):
     failed_jobs = 0
     next_round: tuple | None = None  # runner.seeds=auto: (seed, values kept, the sweep folder)
     ran: set[int] = set()  # the later rounds' seeds this process ran (runner/__main__.py)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        """The sweep folder taken for this command (runner/folders.py): refused in one line,
+        exit 2, where another command writes it or its jobs' folders hold other runs."""
+        from runner.train.distributed import from_env
+
+        if not from_env().main:
+            return
+        params = config.hydra.sweeper.get("params") or {}
+        command = [f"{k}={v}" for k, v in params.items()]  # as Hydra's basic sweeper orders them
+        command += list(config.hydra.overrides.task)
+        subdir = OmegaConf.to_container(config.hydra.sweep)["subdir"]
+        try:
+            folders.start_sweep(Path(config.hydra.sweep.dir), command, str(subdir))
+        except UserError as e:
+            fail(e)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from runner.train.distributed import from_env

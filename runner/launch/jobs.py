@@ -14,7 +14,9 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from runner import folders
 from runner.compare.jobs import LAUNCHER_RECORD
+from runner.files import write_text
 from runner.tracking import finished_summary
 
 
@@ -84,6 +86,7 @@ def read_back(job: SweepJob, quiet: bool = False) -> JobReturn | None:
     summary = finished_summary(job.folder, job.config.trainer.max_steps)
     if summary is None:
         return None
+    folders.adopt(job.folder, folders.current_sweep())  # a job of this sweep, not run again
     if not quiet:
         say(f"{job.label}: completed before ({job.folder}/summary.json): read back, not run again")
     return JobReturn(
@@ -119,9 +122,7 @@ def record(job: SweepJob, launcher: str, state: str, why: str, **more) -> None:
     if not (hydra_dir / "config.yaml").exists():
         hydra_dir.mkdir(parents=True, exist_ok=True)
         task = OmegaConf.masked_copy(job.config, [k for k in job.config if k != "hydra"])
-        (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(task))
-        (hydra_dir / "overrides.yaml").write_text(
-            OmegaConf.to_yaml(OmegaConf.create(job.overrides))
-        )
-    seen = {"launcher": launcher, "state": state, "why": why, **more}
-    (job.folder / LAUNCHER_RECORD).write_text(json.dumps(seen) + "\n")
+        write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(task))
+        write_text(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(job.overrides)))
+    seen = {"launcher": launcher, "state": state, "why": why, "sweep": folders.current_sweep()}
+    write_text(job.folder / LAUNCHER_RECORD, json.dumps(seen | more) + "\n")

@@ -3,7 +3,6 @@ the checkpoint to resume from."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
+from runner.files import replacing
 from runner.precision.fp4 import Recipe
 from runner.train import distributed, sharded
 from runner.train.convert import convert_precision
@@ -25,22 +25,15 @@ SET_DIR = re.compile(r"(step|last)-(\d+)")
 
 
 def save(path: Path, state: dict) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: a reader (or a resume
-    after a crash) sees the previous checkpoint or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Written whole or not at all, fsynced (runner/files.py): a reader (or a resume after a
+    crash) sees the previous checkpoint or the new one, never half of one."""
     try:
-        with open(tmp, "wb") as f:
+        with replacing(path, "wb", durable=True) as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         raise UserError(
             f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoint is intact"
         ) from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def load(path: Path) -> dict:
