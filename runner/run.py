@@ -10,7 +10,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner import console
+from runner import console, folders
 from runner.answers import island_search, max_batch
 from runner.answers.inference import evaluate_precisions
 from runner.build import build, seed_everything
@@ -28,7 +28,6 @@ from runner.summary_aliases import with_aliases
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed
 from runner.train.optim import build_optimizers
-from runner.train.resume_check import require_unchanged
 from runner.train.trainer import Trainer
 
 
@@ -53,20 +52,35 @@ def output_dir(explicit: str | Path | None) -> Path:
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
     directory; return the summary. A failed run still leaves a summary.json that says why."""
-    validate(cfg)
     ranks = distributed.init()
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
     console.log_loader_noise()  # torchao's import noise, kept off the console, into <job>.log
+    folders.claim(out, ranks.main)  # one writer: this process, until the run returns
+    try:
+        return _run(cfg, out, ranks)
+    finally:
+        folders.release(out)
+
+
+def _run(cfg: DictConfig, out: Path, ranks) -> dict:
     resume = _resume_point(cfg, out)
     state = resume[1] if resume else None
-    if (done := _finished(cfg, out, resume, ranks)) is not None:
+    done = _finished(cfg, out, resume)
+    # the command's values held against the run the folder holds, before anything is written
+    run_id = folders.admit(out, cfg, resume, done is not None, ranks.main)
+    validate(cfg)
+    if done is not None:
+        console.say(
+            f"{resume[0]} is at step {state['step']}: the run had finished "
+            f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
+        )
+        if ranks.main:
+            console.summary_table(done, cfg.runner.summary, out / "summary.json")
         return done
     log = RunLog(
         out,
-        open_tracker(cfg, out, state.get("wandb_run_id") if state else None)
-        if ranks.main
-        else None,
+        open_tracker(cfg, out, run_id) if ranks.main else None,
         resume_step=state["step"] if state else None,
         write=ranks.main,
     )
@@ -132,22 +146,13 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _finished(cfg: DictConfig, out: Path, resume: tuple | None, ranks) -> dict | None:
+def _finished(cfg: DictConfig, out: Path, resume: tuple | None) -> dict | None:
     """A requeued job whose run had finished: its summary (it ends at once, and nothing is
     rewritten); None for a run with steps to take."""
     state = resume[1] if resume else None
     if not state or state["step"] < cfg.trainer.max_steps:
         return None
-    done = finished_summary(out, state["step"])
-    if done:
-        require_unchanged(resume[0], state, cfg)  # overrides it would not apply: refused
-        console.say(
-            f"{resume[0]} is at step {state['step']}: the run had finished "
-            f"(trainer.max_steps={cfg.trainer.max_steps}); its summary.json stands"
-        )
-        if ranks.main:
-            console.summary_table(done, cfg.runner.summary, out / "summary.json")
-    return done
+    return finished_summary(out, state["step"])
 
 
 def _precision(cfg: DictConfig, device: torch.device, caps: DeviceCaps, ranks) -> Precision:
