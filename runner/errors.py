@@ -18,15 +18,21 @@ class TrainingStopped(UserError):
 
 
 class Preempted(Exception):
-    """SIGTERM, SIGUSR1 or SIGUSR2 arrived: the current step finished and a checkpoint was
-    written."""
+    """SIGTERM, SIGUSR1 or SIGUSR2 arrived (or the job's end time is near): the current step
+    finished and a checkpoint was written; or training had not started, and there was nothing to
+    save."""
 
     exit_code = 75  # EX_TEMPFAIL: try again (with trainer.resume=auto)
 
-    def __init__(self, signal_name: str | None, step: int):
-        """`signal_name`: None where the signal reached another rank only."""
+    def __init__(self, signal_name: str | None, step: int | None, why: str | None = None):
+        """`signal_name`: None where the signal reached another rank only. `step`: None before
+        training. `why`: what asked for the stop, where it was not a signal (the time limit)."""
         signal_name = signal_name or "a preemption signal to another rank"
-        super().__init__(f"preempted by {signal_name} at step {step}: checkpoint saved")
+        if step is None:
+            said = f"preempted by {signal_name} before training: nothing to checkpoint"
+        else:
+            said = f"preempted by {why or signal_name} at step {step}: checkpoint saved"
+        super().__init__(said)
         self.signal_name, self.step = signal_name, step
 
 

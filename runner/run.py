@@ -26,7 +26,7 @@ from runner.precision.caps import resolve_device
 from runner.precision.fp4 import Fp4Linears
 from runner.summary_aliases import with_aliases
 from runner.tracking import RunLog, finished_summary, open_tracker
-from runner.train import checkpoint, distributed
+from runner.train import checkpoint, distributed, preemption
 from runner.train.optim import build_optimizers
 from runner.train.trainer import Trainer
 
@@ -49,6 +49,7 @@ def output_dir(explicit: str | Path | None) -> Path:
     return Path.cwd()
 
 
+@preemption.handled  # signals caught from the first line to the last
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
     directory; return the summary. A failed run still leaves a summary.json that says why."""
@@ -87,6 +88,7 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
     summary: dict = {"status": "running"}
     precision = trainer = None
     try:
+        signals = preemption.setup_begins()  # from here to training: a signal stops it at once
         device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
         precision = _precision(cfg, device, caps, ranks)
@@ -99,7 +101,7 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
             console.say(f"resumed from {resume[0]} at step {trainer.step}")
         summary |= _describe(trainer, ranks, cfg)
         plan.started()
-        summary |= trainer.fit()
+        summary |= trainer.fit(signals)
         summary |= _measurements(cfg, trainer, precision, caps, summary)
         summary |= _after_training(cfg, trainer, precision, plan, log, ranks, summary)
         summary["status"] = "completed"

@@ -182,6 +182,12 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 0
     keep_last_k: int = 3  # step-N.pt files kept (last.pt always)
     resume: str | None = None  # null | auto | path/to/checkpoint.pt
+    # When the job must be gone: auto = SLURM's end time where the job has one; N = N seconds
+    # after the run started; null = neither (its signals alone stop it). The run checkpoints and
+    # asks for the requeue early enough for its steps and checkpoint (runner/train/deadline.py),
+    # keeping time_limit_margin_s after the checkpoint for the exit (W&B, submitit's requeue).
+    time_limit_s: Any = "auto"
+    time_limit_margin_s: float = 15.0
     # A checkpoint from another precision mode: refused, or converted for this one (and said so).
     resume_across_precision: bool = False
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops

@@ -109,6 +109,16 @@ def _validate_trainer(t) -> None:
         "allowed: auto, cpu, cuda, cuda:N, mps",
     )
     require(t.strategy in ("ddp", "fsdp"), "trainer.strategy", t.strategy, "allowed: ddp, fsdp")
+    limit = t.time_limit_s
+    require(
+        limit in (None, "auto")
+        or (isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0),
+        "trainer.time_limit_s",
+        limit,
+        "allowed: auto (SLURM's end time), seconds > 0, or null",
+    )
+    margin = t.time_limit_margin_s
+    require(margin >= 0, "trainer.time_limit_margin_s", margin, "must be ≥ 0")
     _validate_resume(t.resume)
 
 

@@ -82,7 +82,6 @@ class Meter:
         self.health: dict | None = None  # fp16's gradient health, from an audited step
         self._auditing = False
         self._pending: list[dict] = []
-        self._interval_ends: list[int] = []  # the last step of each interval this run timed
 
     def start(self, step: int) -> None:
         self.first_step = step
@@ -95,6 +94,7 @@ class Meter:
             every,
             cfg.checkpoint_every_n_steps,
         )
+        self._steady_after = step + cfg.benchmark.warmup_steps  # this attempt's warm-up
         self.started = self.interval_start = time.perf_counter()
         self._compiled_before = compile_counts()  # a multirun's earlier jobs compiled too
 
@@ -208,10 +208,11 @@ class Meter:
                     "samples_per_s": r["samples"] / step_time,
                     "tokens_per_s": r["tokens"] / step_time,
                     "peak_memory_mb": memory,
+                    # past this attempt's warm-up: in the speed figures, a resumed run's too
+                    "steady": r["step"] > self._steady_after,
                 }
             )
         self.rows += rows
-        self._interval_ends.append(rows[-1]["step"])
         return rows
 
     def lap(self) -> None:
@@ -219,9 +220,9 @@ class Meter:
         self.interval_start = time.perf_counter()
 
     def speed(self) -> dict:
-        """The steady window's speed (`steady_speed`): this run's steps after the warm-up."""
-        warmup = self.cfg.benchmark.warmup_steps
-        return steady_speed(self.rows, self.first_step + warmup, warmup, self._interval_ends)
+        """The steady window's speed (`steady_speed`): every attempt's steps after its warm-up
+        (a resumed run's earlier ones are in metrics.jsonl)."""
+        return steady_speed(self.rows, self.cfg.benchmark.warmup_steps)
 
     def summary(self) -> dict:
         """The run's last values, its last and best evaluation, speed, memory and compile counts,
@@ -245,12 +246,13 @@ class Meter:
         }
 
 
-def steady_speed(rows: list[dict], start: int, warmup: int, interval_ends: list[int]) -> dict:
+def steady_speed(rows: list[dict], warmup: int) -> dict:
     """Median throughput, median and p90 step time, and the share of step time spent waiting
-    for data, over the steady window (the rows after step `start`, the warm-up's end). The
-    spread: the interquartile ranges of throughput and step time over the window's steps, which
-    are timed by interval; None where the window has fewer than two intervals to compare."""
-    steady = [r for r in rows if r["step"] > start]
+    for data, over the steady window: the rows past their attempt's warm-up (`steady`; rows
+    written before that flag, past the run's first `warmup` steps). The spread: the
+    interquartile ranges of throughput and step time over the window's steps, which are timed
+    by interval; None where the window has fewer than two intervals to compare."""
+    steady = [r for r in rows if r.get("steady", r["step"] > warmup)]
     if not steady:
         # The warm-up holds the eager audit and fp16's fp32 probe: its speed would mislead.
         keys = ("samples_per_s", "samples_per_s_iqr", "tokens_per_s", "step_time_s")
@@ -261,7 +263,11 @@ def steady_speed(rows: list[dict], start: int, warmup: int, interval_ends: list[
             "(trainer.benchmark.warmup_steps), so its speed is untested",
         }
     times = [r["step_time_s"] for r in steady]
-    intervals = sum(end > start for end in interval_ends)
+    # An interval's steps share its mean time: a new time, or a gap in the steps, starts one.
+    intervals = 1 + sum(
+        a["step_time_s"] != b["step_time_s"] or b["step"] != a["step"] + 1
+        for a, b in zip(steady, steady[1:], strict=False)
+    )
     throughput = [r["samples_per_s"] for r in steady]
     wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
     if wait_share > INPUT_BOUND_SHARE:

@@ -6,6 +6,7 @@ checkpoint. Timing lives in `Meter`, checkpoint files in `Checkpointer`, non-fin
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +21,11 @@ from runner.task import Batch, DataModule, Task
 from runner.tracking import RunLog
 from runner.train import distributed
 from runner.train.checkpoint import Checkpointer
+from runner.train.deadline import deadline_for
 from runner.train.diagnostics import Forensics
 from runner.train.distributed import Dist
 from runner.train.evaluation import Evaluation
-from runner.train.preemption import Preemption
+from runner.train.preemption import Preemption, Signals
 from runner.train.telemetry import Meter, read_later
 from runner.train.window import forward_backward, window_health
 
@@ -102,23 +104,35 @@ class Trainer:
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
         self.errors = MatmulErrors(task, precision)  # each matmul's error, on measured steps
         self.preemption = Preemption(self.dist)
+        self.deadline = None  # the job's end time, watched by the run's own fit
         self._unsettled: PendingStep | None = None  # the last step, until its flag is read
         self._trouble: tuple[PendingStep, dict | None] | None = None  # skipped: report or stop
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def fit(self) -> dict:
+    def fit(self, run_signals: Signals | None = None) -> dict:
+        """Train to max_steps. `run_signals`: the run's own (runner/run.py), which this fit
+        answers from its first step to its last, with the job's end time watched (rank 0)."""
         loop = self.loop = LoopSettings.of(self.cfg)
         loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.meter.start(self.step)
         self.task.train()
+        deadline = self.deadline = None
+        if run_signals is not None and self.dist.main:
+            after = 2 if self.dist.enabled else 1  # under DDP the flag is heard a step late
+            state_bytes = 3 * sum(p.numel() * p.element_size() for p in self.task.parameters())
+            deadline = self.deadline = deadline_for(
+                self.cfg, run_signals.started, after, state_bytes
+            )
         with (
             self.precision.fast_kernels,  # precision.cpu_kernels=fast: for this fit only
             ProgressBar(loop.max_steps, self.cfg.progress_bar) as bar,
-            self.preemption.installed(),
+            self.preemption.installed(run_signals),
         ):
             while self.step < loop.max_steps:
+                if deadline is not None and deadline.near():  # the host clock only
+                    self.preemption.time_up(deadline.why())
                 window, data_wait = self.meter.fetch(loader, loop.accumulate)
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
@@ -162,12 +176,18 @@ class Trainer:
                 *trouble, self.meter.rows, self.consecutive_skipped, self._stuck
             )
         preempted, collapsed = self.preemption.requested, self.collapsed
+        if preempted and due["last"]:  # nothing is left to come back for: the run completes
+            console.say(f"{self.preemption.signal} in the last step: the run completes")
+            preempted = False
         if due["checkpoint"] or due["last"] or preempted or collapsed:
+            started = time.monotonic()
             self.checkpointer.save(
                 self.state_dict(), self.step, due["checkpoint"], self._state_tensors()
             )
+            if self.deadline is not None:
+                self.deadline.checkpointed(time.monotonic() - started)
         if preempted:
-            raise Preempted(self.preemption.signal, self.step)
+            raise Preempted(self.preemption.signal, self.step, self.preemption.why)
         if collapsed:  # checkpointed: skipped steps left the weights finite, resumable in bf16
             raise self.forensics.collapse(self.step)
         self.meter.lap()
