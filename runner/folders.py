@@ -52,13 +52,11 @@ def hold(folder: Path) -> None:
             "command a folder of its own"
         ) from None
     os.ftruncate(fd, 0)
-    command = clip(" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), 200)
+    program = "python -m runner" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
+    command = clip(" ".join([program, *sys.argv[1:]]), 160)
     since = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.pwrite(
-        fd,
-        f"process {os.getpid()} on {socket.gethostname()} ({command}), since {since}\n".encode(),
-        0,
-    )
+    holder = f"process {os.getpid()} on {socket.gethostname()} since {since} ({command})"
+    os.pwrite(fd, holder.encode() + b"\n", 0)
     _held[folder] = fd
 
 
@@ -129,9 +127,14 @@ def _refusal(folder: Path, resume: tuple | None, finished: bool, changed: list[s
         )
     else:
         what = f"{folder} holds a run of other values: {values}"
+    convert = (
+        ", or convert it (trainer.resume_across_precision=true)"
+        if all(c.startswith("precision.") for c in changed) and resume and not finished
+        else ""
+    )
     return (
         f"{what}: give the new run a folder of its own (hydra.run.dir=..., or another "
-        "hydra.sweep.dir), or rerun without them"
+        f"hydra.sweep.dir), or rerun without them{convert}"
     )
 
 
@@ -209,7 +212,7 @@ def start_sweep(sweep_dir: Path, command: list[str], subdir: str) -> str:
         return _started[sweep_dir]
     hold(sweep_dir)
     check_jobs(sweep_dir, subdir, expand(command))
-    kept = sorted(o for o in command if not _rerun_key(o))
+    kept = sorted(o for o in command if not rerun_key(o))
     sweep = hashlib.sha1(json.dumps(kept).encode()).hexdigest()[:12]
     record = {"id": sweep, "command": kept, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if read_record(sweep_dir, SWEEP_RECORD).get("id") != sweep:
@@ -218,7 +221,7 @@ def start_sweep(sweep_dir: Path, command: list[str], subdir: str) -> str:
     return sweep
 
 
-def _rerun_key(override: str) -> bool:
+def rerun_key(override: str) -> bool:
     key = override.lstrip("+~").partition("=")[0]
     return any(key == k or key.startswith(k + ".") for k in RERUN_KEYS)
 
@@ -242,12 +245,13 @@ def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> None:
         changed = [
             f"{key}={asks.get(key, '(unset)')} (it ran: {ran.get(key, '(unset)')})"
             for key in sorted(ran.keys() | asks.keys())
-            if ran.get(key) != asks.get(key) and not _rerun_key(key)
+            if ran.get(key) != asks.get(key) and not rerun_key(key)
         ]
         if changed:
             refused.append(f"job {num} ({folder}) asks {', '.join(changed)}")
     if refused:
-        more = f"; and {len(refused) - 1} more jobs" if len(refused) > 1 else ""
+        n = len(refused) - 1
+        more = f"; {n} more job{'s' if n > 1 else ''} too" if n else ""
         raise UserError(
             f"{sweep_dir} holds another sweep's runs: {refused[0]}{more}: give this sweep a "
             "folder of its own (hydra.sweep.dir=...), or run the command that made it"

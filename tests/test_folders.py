@@ -15,6 +15,7 @@ import pytest
 
 from runner.compare.jobs import load_sweep, others_line
 from runner.errors import UserError
+from runner.files import replacing, write_text
 from runner.run import run
 from tests.helpers import TINY_MLP, make_cfg, read_metrics
 
@@ -209,3 +210,29 @@ def test_a_lock_is_dropped_with_its_process(tmp_path):
     holder.wait()
     time.sleep(0.1)
     assert run(make_cfg(*STEPS, "trainer.max_steps=1"), tmp_path)["status"] == "completed"
+
+
+def test_a_file_written_whole_or_not_at_all(tmp_path):
+    """A writer that fails midway (a kill, a full disk) leaves the previous file, and no
+    temporary file once the next writer takes the folder."""
+    path = tmp_path / "summary.json"
+    write_text(path, '{"status": "completed"}\n')
+    with pytest.raises(OSError), replacing(path) as f:
+        f.write('{"status": "fai')
+        raise OSError("no space left on device")
+    assert json.loads(path.read_text()) == {"status": "completed"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_every_run_output_file_goes_through_the_whole_file_writer():
+    """runner/ writes files only through runner/files.py (or torch's checkpoint writer, itself
+    through it, and metrics.jsonl's append, cut back to whole rows on resume)."""
+    root = Path(__file__).resolve().parents[1] / "runner"
+    direct = [
+        f"{p.relative_to(root)}:{n}"
+        for p in root.rglob("*.py")
+        if p.name != "files.py"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if ".write_text(" in line or ".write_bytes(" in line
+    ]
+    assert direct == [], direct

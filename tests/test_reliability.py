@@ -138,11 +138,14 @@ def test_a_checkpoint_carrying_code_is_refused_not_run(tmp_path, monkeypatch):
 
 
 def test_resuming_a_different_model_names_the_mismatch(trained):
-    cfg = make_cfg(*SHORT, "model.hidden_size=32", "trainer.resume=auto", "trainer.max_steps=8")
+    """From another folder's checkpoint (in its own folder, a changed value is refused before:
+    tests/test_folders.py)."""
+    last = trained / "checkpoints" / "last.pt"
+    cfg = make_cfg(*SHORT, "model.hidden_size=32", f"trainer.resume={last}", "trainer.max_steps=8")
     with pytest.raises(
         UserError, match=r"does not fit this model config: .*size mismatch for net\.0\.weight"
     ):
-        run(cfg, trained)
+        run(cfg, trained / "other")
 
 
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(trained, monkeypatch):

@@ -29,6 +29,7 @@ from runner import console
 from runner.answers.island_criteria import calibration, culprit, fp32_share, loss_fault, range_fault
 from runner.build import build, seed_everything
 from runner.errors import TrainingStopped, UserError, first_line
+from runner.files import write_text
 from runner.precision import Precision, mode_of
 from runner.precision.caps import resolve_device
 from runner.tracking import RunLog, dumps
@@ -275,7 +276,7 @@ def search(cfg: DictConfig, out: Path) -> dict:
     else:
         result["verdict"] = f"no small set: use {_advice(s.stages)} ({why})"
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_FILE).write_text(dumps(result, indent=2) + "\n")
+    write_text(out / RESULT_FILE, dumps(result, indent=2) + "\n")
     return result
 
 

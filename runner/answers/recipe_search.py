@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from runner.answers.island_search import Search, percent
 from runner.errors import UserError
+from runner.files import write_text
 from runner.measure import projection
 from runner.measure.gpus import gpu_names
 from runner.measure.memory import trainer_memory
@@ -129,7 +130,7 @@ class RecipeSearch:
         """Candidate k: the run with `units` kept in bf16 (its recipe file beside it), judged."""
         recipe = self.out / f"candidate-{k}.yaml"
         self.out.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(yaml.safe_dump({"rules": rules(units)}, sort_keys=False))
+        write_text(recipe, yaml.safe_dump({"rules": rules(units)}, sort_keys=False))
         summary, trainer = self.run(f"candidate {k}", recipe=str(recipe.resolve()))
         return self.judge(k, units, summary, trainer, reference)
 
@@ -189,9 +190,10 @@ def search(cfg: DictConfig, out: Path) -> dict:
     }
     if found:
         recipe = out / RECIPE_FILE
-        recipe.write_text(
+        write_text(
+            recipe,
             _header(result, found)
-            + yaml.safe_dump({"rules": rules(ranked[: found["k"]])}, sort_keys=False)
+            + yaml.safe_dump({"rules": rules(ranked[: found["k"]])}, sort_keys=False),
         )
         result["recipe"] = str(recipe)
         kept = ", ".join(found["kept_bf16"]) or "nothing"
@@ -206,7 +208,7 @@ def search(cfg: DictConfig, out: Path) -> dict:
             f"with up to {len(candidates) - 1} unit(s) kept in bf16 (runner.recipe_max="
             f"{cfg.runner.recipe_max}, {len(ranked)} ranked)"
         )
-    (out / RESULT_FILE).write_text(dumps(result, indent=2) + "\n")
+    write_text(out / RESULT_FILE, dumps(result, indent=2) + "\n")
     return result
 
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from runner.errors import UserError
 from runner.files import read_json, read_rows
-from runner.folders import SWEEP_RECORD, member, read_record
+from runner.folders import SWEEP_RECORD, member, read_record, rerun_key
 from runner.tracking import flat_config
 
 # Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
@@ -168,10 +168,10 @@ def load_sweep(sweep_dir: Path) -> list[Job]:
     """The jobs of the sweep the folder's last command named (others are not read)."""
     folders, others = job_folders(sweep_dir)
     if not folders:
-        more = f" ({len(others)} job folders of other commands)" if others else ""
+        more = f" of its sweep ({len(others)} job folders of other commands)" if others else ""
         raise UserError(
-            f"compare: no runs of its sweep in {sweep_dir}{more} (expected job folders with "
-            ".hydra/ or summary.json)"
+            f"compare: no runs in {sweep_dir}{more} (expected job folders with .hydra/ or "
+            "summary.json)"
         )
     jobs = [_read_job(f) for f in folders]
     identify(jobs)
@@ -183,9 +183,13 @@ def others_line(sweep_dir: Path) -> str | None:
     _, others = job_folders(sweep_dir)
     if not others:
         return None
-    named = ", ".join(
-        f"{p.name} ({' '.join(_read_job(p).overrides) or 'no overrides'})" for p in others
-    )
+    command = set(read_record(sweep_dir, SWEEP_RECORD).get("command", []))
+
+    def told(folder: Path) -> str:  # what its command set that this sweep's does not
+        own = [o for o in _read_job(folder).overrides if o not in command and not rerun_key(o)]
+        return f"{folder.name} ({' '.join(own)})" if own else folder.name
+
+    named = ", ".join(told(p) for p in others)
     return (
         f"not part of this sweep (another command's jobs, left as they are and not compared): "
         f"{named}"

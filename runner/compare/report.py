@@ -17,6 +17,7 @@ from runner.compare import capacity, deployed, finetune, projected, target
 from runner.compare.dashboard import plot
 from runner.compare.stats import CONFIDENCE, known, percent
 from runner.compare.verdicts import in_short
+from runner.files import replacing, write_text
 
 if TYPE_CHECKING:
     from runner.compare.groups import Group
@@ -104,14 +105,15 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
     md = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     notes = "".join(f"- {note}\n" for note in _notes(groups))
-    paths["md"].write_text(
+    write_text(
+        paths["md"],
         f"# Precision comparison: {sweep_dir}\n\n"
         + "\n".join(md)
         + (f"\n\nNotes:\n\n{notes}" if notes else "\n")
         + deployed.markdown(groups)  # where jobs evaluated runner.eval_precisions
-        + "\n![dashboard](compare.png)\n"
+        + "\n![dashboard](compare.png)\n",
     )
-    with open(paths["csv"], "w", newline="") as f:
+    with replacing(paths["csv"]) as f:
         csv.writer(f).writerows(rows)
     records = [
         {
@@ -126,7 +128,7 @@ def write(groups: list[Group], sweep_dir: Path) -> dict[str, Path]:
         }
         for g in groups
     ]
-    paths["json"].write_text(json.dumps(records, indent=2) + "\n")
+    write_text(paths["json"], json.dumps(records, indent=2) + "\n")
     plot(groups, paths["png"])
     return paths
 

@@ -6,7 +6,6 @@ gradient checkpointing computes again in backward (HFU)."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -17,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from runner.files import write_text
 from runner.measure.flop_formulas import flop_formulas
 from runner.measure.peaks import GPU_PEAK_TFLOPS, device_model
 from runner.precision.layers import recomputing
@@ -139,10 +139,7 @@ def _cpu_matmul_tflops(caps, dtype: torch.dtype, cache_dir: Path) -> float:
             **_measure_matmul_tflops(dtype),
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(cached, indent=1))
     return entry["tflops"]
 
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from runner import console
 from runner.errors import TrainingStopped
+from runner.files import write_text
 from runner.precision import Precision, mode_of
 from runner.task import Batch, Task, buffers_kept
 from runner.tracking import dumps
@@ -265,7 +266,7 @@ class Forensics:
         }
         self.report = info | replayed | {"hint": hint(self.precision.mode, replayed)}
         if self.dist.main:
-            self.path.write_text(dumps(self.report, indent=2) + "\n")
+            write_text(self.path, dumps(self.report, indent=2) + "\n")
         first = self.report["forward"]["first_nonfinite"]
         where = f", first in the forward pass at {first}" if first else ""
         console.say(f"[yellow]non-finite values at step {step}{where}; report: {self.path}[/]")
