@@ -230,18 +230,34 @@ def test_a_signal_to_one_rank_stops_every_rank_within_one_step(tmp_path):
 
 
 def test_torchrun_runs_two_ranks_into_one_run_directory(tmp_path):
+    ranks = tmp_path / "ranks"  # each rank's own output, where a failure says why
     result = cli(
         *TINY_MLP,
         "trainer.max_steps=5",
         "logger=wandb",
         cwd=tmp_path,
-        launcher=("-m", "torch.distributed.run", "--nproc_per_node=2"),
+        launcher=(
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--log-dir={ranks}",
+            "--tee=3",
+        ),
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, rank_outputs(ranks) + result.stderr[-2000:]
     [run_dir] = [p.parent for p in (tmp_path / "outputs").glob("*/*/summary.json")]
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
     assert len(list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))) == 1
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 1  # rank 1 made no directory
+
+
+def rank_outputs(log_dir: Path) -> str:
+    """The end of each rank's stderr (torchrun --log-dir): the rank that failed first says why,
+    where torchrun's own summary, last on its stderr, does not."""
+    return "".join(
+        f"--- {path.relative_to(log_dir)}:\n{path.read_text()[-3000:]}\n"
+        for path in sorted(log_dir.rglob("stderr.log"))
+    )
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: make test stays under 10 minutes
