@@ -31,7 +31,7 @@ def job(cfg: DictConfig) -> float | None:
     try:
         return run(cfg)["final_loss"]
     except Preempted as e:  # stops a sweep too: the cluster wants the machine back
-        print(f"{e}; continue with trainer.resume=auto", file=sys.stderr)
+        print(f"{e}; {how_to_continue()}", file=sys.stderr)
         from runner.train.preemption import hand_on
 
         hand_on(e.signal_name)  # submitit's requeue, under +launcher=slurm
@@ -52,6 +52,17 @@ def job(cfg: DictConfig) -> float | None:
             # step, SLURM records the job FAILED, the sweep names it and a rerun resumes it.
             sys.exit(1)
         return None
+
+
+def how_to_continue() -> str:
+    """After a preemption: how the user continues this run, or the sweep it is a job of (run
+    again in its folder, each job continues from its checkpoint)."""
+    node = HydraConfig.get()
+    if node.mode != RunMode.MULTIRUN:
+        return "continue with trainer.resume=auto"
+    if any(o.startswith("hydra.sweep.dir=") for o in node.overrides.hydra):
+        return "continue the sweep: run the same command"
+    return f"continue the sweep: run the same command with hydra.sweep.dir={node.sweep.dir}"
 
 
 def absolute_sweep_dir(arg: str) -> str:
