@@ -107,6 +107,8 @@ def main() -> None:
             job()
     finally:
         distributed.close(ranks)
+    if CompareCallback.refused:
+        sys.exit(2)
     if CompareCallback.failed_jobs:
         sys.exit(1)
 

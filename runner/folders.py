@@ -1,16 +1,14 @@
-"""A job folder is one run: one config, one writer at a time, one W&B run. A sweep folder is one
-sweep: one command at a time, and the comparison reads only the jobs of the sweep its command
-names. Everything that reads a folder later (a rerun, the comparison, W&B) relies on this.
+"""A job folder is one run: one config, one writer at a time, one W&B run (a sweep folder is one
+sweep: runner/launch/sweep_folder.py). Everything that reads a folder later (a rerun, the
+comparison, W&B) relies on this.
 
-Files: `.lock` (held while a process writes the folder; it names that process), `run.json` in
-a job folder (the run's resolved config, its sweep and its W&B run id, written when the run
-starts) and `sweep.json` in a sweep folder (the sweep's identity and command, written when the
-sweep starts)."""
+Files: `.lock` (held while a process writes the folder; it names that process) and `run.json`
+(the run's resolved config, its sweep and its W&B run id, written when the run starts, before
+anything else, once the command's values are held against the run the folder holds)."""
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -30,8 +28,31 @@ LOCK, RUN_RECORD, SWEEP_RECORD = ".lock", "run.json", "sweep.json"
 _held: dict[Path, int] = {}  # folder -> the descriptor whose flock this process holds
 
 
-class Busy(UserError):
+class Taken(UserError):
+    """The folder is not this command's to write: another process writes it (`Busy`), or it
+    holds a run of other values (`Changed`)."""
+
+
+class Busy(Taken):
     """Another process writes the folder."""
+
+
+class Changed(Taken):
+    """The folder holds a run of other values."""
+
+
+REFUSED = ".refused"  # in a sweep folder: its jobs refused by their folders, one file each
+
+
+def _refused(error: Taken) -> Taken:
+    """A job of a sweep refused its folder: recorded in the sweep folder (`.refused/`), whose
+    end says so and exits 2, whatever launcher ran the job."""
+    sweep = _sweep_dir()
+    if sweep is not None:
+        from hydra.core.hydra_config import HydraConfig
+
+        write_text(sweep / REFUSED / f"{HydraConfig.get().job.num}.txt", f"{error}\n")
+    return error
 
 
 def hold(folder: Path) -> None:
@@ -103,10 +124,13 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
         allowed = ("precision",) if cfg.trainer.resume_across_precision else ()
         changed = unapplied(saved, cfg, allowed)
         if changed:
-            raise UserError(_refusal(folder, resume, finished, changed))
+            raise _refused(Changed(_refusal(folder, resume, finished, changed)))
     run_id = record.get("wandb_run_id") or (state.get("wandb_run_id") if own else None)
     run_id = run_id or new_run_id()
     if main:
+        from runner.compare.jobs import LAUNCHER_RECORD
+
+        (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
         _write_hydra_files(folder, cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
         mine = {"config": config, "sweep": current_sweep(), "wandb_run_id": run_id}
@@ -158,7 +182,10 @@ def claim(folder: Path, main: bool) -> None:
     the temporary files a killed writer left removed."""
     if not main:
         return
-    hold(folder)
+    try:
+        hold(folder)
+    except Busy as e:
+        raise _refused(e) from None
     if stale := remove_stale(folder):
         from runner import console
 
@@ -166,99 +193,22 @@ def claim(folder: Path, main: bool) -> None:
         console.say(f"removed what a killed run left half-written: {names}")
 
 
-def current_sweep() -> str | None:
-    """The id of the sweep this job runs in (its sweep folder's sweep.json), or None."""
+def _sweep_dir() -> Path | None:
+    """The sweep folder of the job this process runs, or None outside a sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
-    return read_record(Path(HydraConfig.get().sweep.dir), SWEEP_RECORD).get("id")
+    return Path(HydraConfig.get().sweep.dir)
 
 
-def adopt(folder: Path, sweep: str | None) -> None:
-    """A job of this sweep that it did not run (a completed one read back): marked as the
-    sweep's, so that the comparison reads it."""
-    record = read_record(folder)
-    if sweep and record.get("sweep") != sweep:
-        write_text(folder / RUN_RECORD, json.dumps(record | {"sweep": sweep}, indent=1) + "\n")
-
-
-def member(folder: Path, sweep: str | None) -> bool:
-    """Whether a job folder belongs to `sweep` (None: a folder written before sweeps had an
-    identity, whose jobs all belong)."""
-    if sweep is None:
-        return True
-    from runner.compare.jobs import LAUNCHER_RECORD
-
-    return sweep in (
-        read_record(folder).get("sweep"),
-        read_record(folder, LAUNCHER_RECORD).get("sweep"),
-    )
-
-
-_started: dict[Path, str] = {}  # sweep folders this process started: their ids
-
-
-def start_sweep(sweep_dir: Path, command: list[str], subdir: str) -> str:
-    """At a sweep's start, before any job runs: its folder's lock (held to the end of this
-    process), its jobs checked against the runs the folder holds (`check_jobs`), and its
-    identity: the same command keeps the id it had (its jobs continue), another command is
-    another sweep. A later round of runner.seeds=auto, in this process, is the same sweep."""
-    from runner.config.commandline import expand
-
-    sweep_dir = sweep_dir.absolute()
-    if sweep_dir in _started:
-        return _started[sweep_dir]
-    hold(sweep_dir)
-    check_jobs(sweep_dir, subdir, expand(command))
-    kept = sorted(o for o in command if not rerun_key(o))
-    sweep = hashlib.sha1(json.dumps(kept).encode()).hexdigest()[:12]
-    record = {"id": sweep, "command": kept, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if read_record(sweep_dir, SWEEP_RECORD).get("id") != sweep:
-        write_text(sweep_dir / SWEEP_RECORD, json.dumps(record, indent=1) + "\n")
-    _started[sweep_dir] = sweep
-    return sweep
+def current_sweep() -> str | None:
+    """The id of the sweep this job runs in (its sweep folder's sweep.json), or None."""
+    sweep = _sweep_dir()
+    return read_record(sweep, SWEEP_RECORD).get("id") if sweep else None
 
 
 def rerun_key(override: str) -> bool:
     key = override.lstrip("+~").partition("=")[0]
     return any(key == k or key.startswith(k + ".") for k in RERUN_KEYS)
-
-
-def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> None:
-    """Before a sweep runs anything: each of its jobs whose folder holds a run of other
-    overrides (another command's job, where this one would resume it or read it back under its
-    own label) refused, in one line naming the key and both values. `subdir`: the job folders'
-    name, hydra.sweep.subdir, unresolved (${hydra.job.num} in it); any other interpolation
-    there is left to each job's own check (`admit`)."""
-    template = subdir.replace("${hydra.job.num}", "{num}")
-    if "$" in template:
-        return
-    refused = []
-    for num, overrides in enumerate(jobs):
-        folder = sweep_dir / template.format(num=num)
-        ran_file = folder / ".hydra" / "overrides.yaml"
-        if not (ran_file.exists() and holds_run(folder)):
-            continue
-        ran, asks = _values(OmegaConf.load(ran_file)), _values(overrides)
-        changed = [
-            f"{key}={asks.get(key, '(unset)')} (it ran: {ran.get(key, '(unset)')})"
-            for key in sorted(ran.keys() | asks.keys())
-            if ran.get(key) != asks.get(key) and not rerun_key(key)
-        ]
-        if changed:
-            refused.append(f"job {num} ({folder}) asks {', '.join(changed)}")
-    if refused:
-        n = len(refused) - 1
-        more = f"; {n} more job{'s' if n > 1 else ''} too" if n else ""
-        raise UserError(
-            f"{sweep_dir} holds another sweep's runs: {refused[0]}{more}: give this sweep a "
-            "folder of its own (hydra.sweep.dir=...), or run the command that made it"
-        )
-
-
-def _values(overrides) -> dict[str, str]:
-    """key -> value of a job's overrides (`+k=v`, `++k=v` as `k`)."""
-    pairs = (str(o).lstrip("+~").partition("=") for o in overrides)
-    return {key: value for key, _, value in pairs}

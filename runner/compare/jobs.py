@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from runner.errors import UserError
 from runner.files import read_json, read_rows
-from runner.folders import SWEEP_RECORD, member, read_record, rerun_key
+from runner.folders import SWEEP_RECORD, read_record, rerun_key
+from runner.launch.sweep_folder import member
 from runner.tracking import flat_config
 
 # Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner import console, folders
+from runner import console
 from runner.compare import capacity, dashboard, finetune, incomplete, report, seeds
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep, others_line
@@ -30,6 +30,7 @@ from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.config.schema import CompareConfig
 from runner.errors import UserError, fail
+from runner.launch import sweep_folder
 from runner.summary_aliases import converted_section
 
 TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default
@@ -229,6 +230,7 @@ class CompareCallback(Callback):
     """Runs the comparison when a multirun ends; a failed job makes the command exit non-zero."""
 
     failed_jobs = 0
+    refused = False  # a job was refused its folder (runner/folders.py): the command exits 2
     next_round: tuple | None = None  # runner.seeds=auto: (seed, values kept, the sweep folder)
     ran: set[int] = set()  # the later rounds' seeds this process ran (runner/__main__.py)
 
@@ -239,12 +241,12 @@ class CompareCallback(Callback):
 
         if not from_env().main:
             return
-        params = config.hydra.sweeper.get("params") or {}
+        params = OmegaConf.to_container(config.hydra.sweeper, resolve=False).get("params") or {}
         command = [f"{k}={v}" for k, v in params.items()]  # as Hydra's basic sweeper orders them
-        command += list(config.hydra.overrides.task)
+        command += OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
         subdir = OmegaConf.to_container(config.hydra.sweep)["subdir"]
         try:
-            folders.start_sweep(Path(config.hydra.sweep.dir), command, str(subdir))
+            sweep_folder.start_sweep(Path(config.hydra.sweep.dir), command, str(subdir))
         except UserError as e:
             fail(e)
 
@@ -254,6 +256,9 @@ class CompareCallback(Callback):
         if not from_env().main:  # under torchrun, rank 0 compares
             return
         sweep = Path(config.hydra.sweep.dir)
+        for line in sweep_folder.refusals(sweep):
+            print(f"error: {line}", file=sys.stderr)
+            CompareCallback.refused = True
         try:
             jobs = load_sweep(sweep)
             CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner import folders
 from runner.compare.jobs import LAUNCHER_RECORD
 from runner.files import write_text
+from runner.launch import sweep_folder
 from runner.tracking import finished_summary
 
 
@@ -86,7 +87,7 @@ def read_back(job: SweepJob, quiet: bool = False) -> JobReturn | None:
     summary = finished_summary(job.folder, job.config.trainer.max_steps)
     if summary is None:
         return None
-    folders.adopt(job.folder, folders.current_sweep())  # a job of this sweep, not run again
+    sweep_folder.adopt(job.folder, folders.current_sweep())  # a job of this sweep, not run again
     if not quiet:
         say(f"{job.label}: completed before ({job.folder}/summary.json): read back, not run again")
     return JobReturn(

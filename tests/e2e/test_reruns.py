@@ -159,3 +159,34 @@ def test_a_run_killed_before_its_first_checkpoint_continues_its_one_wandb_run(tm
     ]
     assert sorted(sent) == list(range(1, 61)), sent
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 61))
+
+
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]])
+def test_a_job_whose_resolved_values_changed_is_refused_and_fails_the_sweep(tmp_path, launcher):
+    """The same overrides resolving to other values (an environment variable here; an edited
+    config file alike): each job's own check refuses it before it writes anything, and the
+    sweep's end names it and exits 2, whatever launcher ran it."""
+    args = ["precision=fp32,bf16", "seed=${oc.env:SWEEP_SEED}", "trainer.max_steps=6", *launcher]
+    first = cli(
+        "-m",
+        *SMALL,
+        *args,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        env=ENV | {"SWEEP_SEED": "1"},
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(tmp_path / "sweep" / "0")
+    again = cli(
+        "-m",
+        *SMALL,
+        *args,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        env=ENV | {"SWEEP_SEED": "2"},
+    )
+    assert again.returncode == 2, again.stderr[-3000:]
+    err = " ".join(again.stderr.split())
+    assert "error: job 0: " in err and "error: job 1: " in err and "seed=2 (it ran: 1)" in err
+    assert "Traceback" not in again.stderr
+    assert snapshot(tmp_path / "sweep" / "0") == before
