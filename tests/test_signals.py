@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,3 +219,54 @@ def test_a_time_limit_stops_the_run_in_time_and_asks_for_the_requeue(
 def test_a_bad_time_limit_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"trainer.time_limit_s.*auto.*seconds > 0, or null"):
         run(make_cfg(*QUICK, "trainer.time_limit_s=soon"), tmp_path)
+
+
+def test_slurm_s_end_time_is_read_from_the_job_s_environment_or_the_queue(monkeypatch):
+    """Slurm 22.05 (Debian 12's) sets no SLURM_JOB_END_TIME: squeue's %e (the EndTime of
+    `scontrol show job`, local time) says it; a newer Slurm's variable is read without asking."""
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    asked = []
+
+    def squeue(args, **_):
+        asked.append(args)
+        return SimpleNamespace(stdout="2026-12-06T05:27:50\n")
+
+    monkeypatch.setattr(deadline_module.subprocess, "run", squeue)
+    end = datetime(2026, 12, 6, 5, 27, 50).timestamp()
+    assert deadline_module.slurm_end_time() == (end, "SLURM job 42 ends")
+    assert asked == [["squeue", "-h", "-j", "42", "-o", "%e"]]
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "1796534870")
+    assert deadline_module.slurm_end_time() == (1796534870.0, "SLURM job 42 ends")
+    assert len(asked) == 1
+    monkeypatch.delenv("SLURM_JOB_END_TIME")
+    monkeypatch.setattr(
+        deadline_module.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="N/A")
+    )
+    assert deadline_module.slurm_end_time() is None  # no limit: the signals alone
+
+
+def test_a_job_that_timed_out_with_a_checkpoint_goes_again_up_to_max_num_timeout(tmp_path):
+    from runner.launch import sweep
+
+    def job(state: str, checkpoint: bool) -> SimpleNamespace:
+        folder = tmp_path / f"{state}-{checkpoint}"
+        (folder / "checkpoints").mkdir(parents=True)
+        if checkpoint:
+            (folder / "checkpoints" / "last.pt").write_bytes(b"")
+        result = SimpleNamespace(paths=SimpleNamespace(result_pickle=folder / "result.pkl"))
+        submitted = SimpleNamespace(job_id="7", num_tasks=1, task=lambda i: result)
+        return SimpleNamespace(
+            num=len(state), folder=folder, state=state, reason="", submitted=submitted, label="#0"
+        )
+
+    resubmitted: dict[int, int] = {}
+    timed_out = job("TIMEOUT", True)
+    for _ in range(2):
+        assert sweep._resubmit(timed_out, resubmitted, 2)
+        timed_out.state = "TIMEOUT"
+    assert not sweep._resubmit(timed_out, resubmitted, 2)  # max_num_timeout=2 reached
+    assert sweep._resubmit(job("PREEMPTED", True), resubmitted, 2)
+    assert not sweep._resubmit(job("FAILED", True), resubmitted, 2)
+    assert not sweep._resubmit(job("CANCELLED", True), resubmitted, 2)
+    assert not sweep._resubmit(job("TIMEOUT", False), {}, 2)  # nothing to resume from

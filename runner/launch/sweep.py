@@ -2,9 +2,11 @@
 hydra_plugins/amp_runner_launcher): the request checked against the partition before anything is
 submitted; a job that completed in this sweep folder before (its summary.json, at its
 max_steps) read back, not submitted again; while the sweep waits, a pending job's reason from the
-queue; and each job that ends without a result (cancelled, failed, timed out, lost) returned as
-a failed job with SLURM's state, written beside its run (launcher.json), so that the comparison at
-the end names it and the command fails. Hydra's own launcher waits on the first job that fails
+queue; a job that ends TIMEOUT or PREEMPTED with a checkpoint (its own requeue came too late)
+submitted again, up to hydra.launcher.max_num_timeout times; and each job that ends without a
+result (cancelled, failed, timed out, lost) returned as a failed job with SLURM's state, written
+beside its run (launcher.json), so that the comparison at the end names it and the command
+fails. Hydra's own launcher waits on the first job that fails
 and raises, and the comparison never runs."""
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from runner.launch import slurm
 from runner.launch.jobs import SweepJob, read_back, record, say, sweep_jobs, unfinished
 
 POLL_S = 3.0  # how often the queue is asked while the sweep waits
+# Ended with the run unfinished but resumable: its checkpoint continues it (trainer.resume=auto)
+RESUBMIT_STATES = ("TIMEOUT", "PREEMPTED")
 
 
 def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
@@ -39,12 +43,37 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
     jobs = sweep_jobs(launcher, [list(o) for o in job_overrides], initial_job_idx)
     returns = {j.num: done for j in jobs if (done := read_back(j)) is not None}
     todo = [j for j in jobs if j.num not in returns]
-    if todo:
-        _submit(launcher, todo)
-        _wait(todo)
-        _final_states([j for j in todo if not _has_result(j)])
-        returns |= {j.num: _outcome(j) for j in todo}
+    resubmitted: dict[int, int] = {}
+    batch = todo
+    while batch:
+        _submit(launcher, batch)
+        _wait(batch)
+        _final_states([j for j in batch if not _has_result(j)])
+        limit = launcher.params.get("max_num_timeout") or 0
+        batch = [j for j in batch if _resubmit(j, resubmitted, limit)]
+    returns |= {j.num: _outcome(j) for j in todo}
     return [returns[j.num] for j in jobs]
+
+
+def _resubmit(job: SweepJob, resubmitted: dict[int, int], limit: int) -> bool:
+    """Whether `job` goes again: it ended TIMEOUT or PREEMPTED (its requeue did not come in
+    time, or SLURM does not requeue) with a checkpoint to resume from, fewer than `limit` times
+    (hydra.launcher.max_num_timeout) so far. Said, with the count."""
+    if _has_result(job) or job.state not in RESUBMIT_STATES or job.folder is None:
+        return False
+    checkpoints = job.folder / "checkpoints"
+    if not (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        return False
+    count = resubmitted.get(job.num, 0) + 1
+    if count > limit:
+        return False
+    resubmitted[job.num] = count
+    say(
+        f"{job.label}: SLURM job {job.submitted.job_id} {job.state} with a checkpoint: "
+        f"submitted again ({count} of hydra.launcher.max_num_timeout={limit})"
+    )
+    job.state = job.reason = ""
+    return True
 
 
 def _submit(launcher, jobs: list[SweepJob]) -> None:
