@@ -133,6 +133,7 @@ class Trainer:
             while self.step < loop.max_steps:
                 if deadline is not None and deadline.near():  # the host clock only
                     self.preemption.time_up(deadline.why())
+                    deadline = None  # asked for once
                 window, data_wait = self.meter.fetch(loader, loop.accumulate)
                 if self.precision.at_step(self.step):
                     console.say(f"precision: {self.precision.mode} from step {self.step + 1}")
@@ -177,7 +178,8 @@ class Trainer:
             )
         preempted, collapsed = self.preemption.requested, self.collapsed
         if preempted and due["last"]:  # nothing is left to come back for: the run completes
-            console.say(f"{self.preemption.signal} in the last step: the run completes")
+            stopper = self.preemption.why or self.preemption.signal or "a signal to another rank"
+            console.say(f"{stopper} in the last step: the run completes")
             preempted = False
         if due["checkpoint"] or due["last"] or preempted or collapsed:
             started = time.monotonic()
