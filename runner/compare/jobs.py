@@ -184,7 +184,7 @@ def others_line(sweep_dir: Path) -> str | None:
     _, others = job_folders(sweep_dir)
     if not others:
         return None
-    command = set(read_record(sweep_dir, SWEEP_RECORD).get("command", []))
+    command = {o for c in read_record(sweep_dir, SWEEP_RECORD).get("commands", []) for o in c}
 
     def told(folder: Path) -> str:  # what its command set that this sweep's does not
         own = [o for o in _read_job(folder).overrides if o not in command and not rerun_key(o)]

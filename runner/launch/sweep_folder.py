@@ -60,40 +60,49 @@ _started: dict[Path, str] = {}  # sweep folders this process started: their ids
 def start_sweep(sweep_dir: Path, command: list[str], subdir: str) -> str:
     """At a sweep's start, before any job runs: its folder's lock (held to the end of this
     process), its jobs checked against the runs the folder holds (`check_jobs`), and its
-    identity: the same command keeps the id it had (its jobs continue), another command is
-    another sweep. A later round of runner.seeds=auto, in this process, is the same sweep."""
+    identity. A command the sweep ran before keeps its id (its jobs continue); a command whose
+    job folders are all new adds its jobs to the sweep (the baseline rows and the recipe rows,
+    two commands into one folder: docs/precision-modes.md); another command that takes over
+    job folders of the sweep is another sweep, whose comparison reads only its own jobs. A later
+    round of runner.seeds=auto, in this process, is the same sweep."""
     from runner.config.commandline import expand
 
     sweep_dir = sweep_dir.absolute()
     if sweep_dir in _started:
         return _started[sweep_dir]
     hold(sweep_dir)
-    check_jobs(sweep_dir, subdir, expand(command))
+    reused = check_jobs(sweep_dir, subdir, expand(command))
     shutil.rmtree(sweep_dir / REFUSED, ignore_errors=True)  # an earlier command's refusals
     kept = sorted(o for o in command if not rerun_key(o))
-    sweep = hashlib.sha1(json.dumps(kept).encode()).hexdigest()[:12]
-    record = {"id": sweep, "command": kept, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if read_record(sweep_dir, SWEEP_RECORD).get("id") != sweep:
-        write_text(sweep_dir / SWEEP_RECORD, json.dumps(record, indent=1) + "\n")
-    _started[sweep_dir] = sweep
-    return sweep
+    record = read_record(sweep_dir, SWEEP_RECORD)
+    commands = record.get("commands", [])
+    if "id" in record and (kept in commands or not reused):
+        record["commands"] = commands + ([] if kept in commands else [kept])
+    else:
+        sweep = hashlib.sha1(json.dumps(kept).encode()).hexdigest()[:12]
+        record = {"id": sweep, "commands": [kept]}
+    record["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_text(sweep_dir / SWEEP_RECORD, json.dumps(record, indent=1) + "\n")
+    _started[sweep_dir] = record["id"]
+    return record["id"]
 
 
-def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> None:
+def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> bool:
     """Before a sweep runs anything: each of its jobs whose folder holds a run of other
     overrides (another command's job, where this one would resume it or read it back under its
     own label) refused, in one line naming the key and both values. `subdir`: the job folders'
     name, hydra.sweep.subdir, unresolved (${hydra.job.num} in it); any other interpolation
-    there is left to each job's own check (`admit`)."""
+    there is left to each job's own check (`admit`). Whether some job's folder holds a run."""
     template = subdir.replace("${hydra.job.num}", "{num}")
     if "$" in template:
-        return
-    refused = []
+        return False
+    refused, reused = [], False
     for num, overrides in enumerate(jobs):
         folder = sweep_dir / template.format(num=num)
         ran_file = folder / ".hydra" / "overrides.yaml"
         if not (ran_file.exists() and holds_run(folder)):
             continue
+        reused = True
         ran = _values(OmegaConf.to_container(OmegaConf.load(ran_file), resolve=False))
         asks = _values(overrides)
         unset = (None, "(unset)")
@@ -111,6 +120,7 @@ def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> None:
             f"{sweep_dir} holds another sweep's runs: {refused[0]}{more}: give this sweep a "
             "folder of its own (hydra.sweep.dir=...), or run the command that made it"
         )
+    return reused
 
 
 def _values(overrides: list[str]) -> dict[str, tuple]:

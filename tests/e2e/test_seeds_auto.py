@@ -120,7 +120,7 @@ def test_seeds_auto_under_joblib_runs_each_round_through_its_workers(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Both rounds through joblib's 2 workers: 9 jobs, then 2.
-    launched = re.findall(r"Joblib\.Parallel\(n_jobs=2\S*\) is launching (\d+) jobs", proc.stdout)
+    launched = re.findall(r"Joblib\.Parallel\(n_jobs=2.*?\) is launching (\d+) jobs", proc.stdout)
     assert launched == ["9", "2"], proc.stdout[-3000:]
     rows = {r["label"]: r for r in json.loads((sweep / "compare.json").read_text())}
     assert {k: r["seeds"] for k, r in rows.items()} == {"fp32": 4, "bf16_true": 3, "bf16": 4}
