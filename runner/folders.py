@@ -131,7 +131,7 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
         from runner.compare.jobs import LAUNCHER_RECORD
 
         (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
-        _write_hydra_files(folder, cfg)
+        write_hydra_files(folder, cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
         mine = {"config": config, "sweep": current_sweep(), "wandb_run_id": run_id}
         write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
@@ -162,10 +162,11 @@ def _refusal(folder: Path, resume: tuple | None, finished: bool, changed: list[s
     )
 
 
-def _write_hydra_files(folder: Path, cfg: DictConfig) -> None:
+def write_hydra_files(folder: Path, cfg: DictConfig) -> None:
     """.hydra/ as Hydra writes it (config.yaml, hydra.yaml, overrides.yaml), written here only
-    once the command is admitted: Hydra's own writing is off (conf/config.yaml sets
-    hydra.output_subdir to null), as it would rewrite the folder's record before any check."""
+    once the command is admitted (or by a command that writes no run: runner.recipe): Hydra's
+    own writing is off (conf/config.yaml sets hydra.output_subdir to null), as it would rewrite
+    the folder's record before any check."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

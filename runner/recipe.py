@@ -98,10 +98,12 @@ def islands_markdown(result: dict) -> str:
     version_base="1.3", config_path=str(Path(__file__).parents[1] / "conf"), config_name="config"
 )
 def job(cfg: DictConfig) -> None:
+    from runner import folders
     from runner.answers import island_search, recipe_search  # heavy: the command line is good
     from runner.run import output_dir
 
     recipe = _command == "recipe" and cfg.precision.mode in recipe_search.MODES
+    folders.write_hydra_files(output_dir(None), cfg)  # what the search ran, as a run records it
     try:
         if recipe:
             result = recipe_search.search(cfg, output_dir(None))
