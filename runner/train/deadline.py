@@ -49,9 +49,13 @@ class Deadline:
     def why(self) -> str:
         left = max(0.0, self.end - time.monotonic())
         return (
-            f"the time limit ({self.said} in {left:.0f} s; a step takes {self.step_s:.1f} s, "
-            f"a checkpoint {self.checkpoint_s:.1f} s)"
+            f"the time limit ({self.said} in {left:.0f} s; a step takes {_seconds(self.step_s)}, "
+            f"a checkpoint {_seconds(self.checkpoint_s)})"
         )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value >= 0.1 else f"{value * 1000:.1f} ms"
 
 
 def slurm_end_time() -> tuple[float, str] | None:

@@ -199,7 +199,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_requeues(slurm, tmp_pa
     out = finish(proc, sweep_dir.with_suffix(".log"), timeout=480)
     assert proc.returncode == 0, out[-3000:]
     log = job_log(sweep_dir)
-    stopped = re.findall(r"preempted by SIGUSR2 at step (\d+)", log)
-    resumed = re.findall(r"resumed from [\s\S]*? at step (\d+)", log)  # wrapped lines
+    # SLURM's SIGUSR2, or the run's own watch of the job's end where it comes first
+    stopped = re.findall(r"preempted by (?:SIGUSR2|the time limit \([^)]*\)) at step (\d+)", log)
+    resumed = re.findall(r"resumed from [\s\S]*?at\s+step\s+(\d+)", log)  # wrapped lines
     assert stopped and resumed == stopped, log[-3000:]
     assert len(nothing_lost(sweep_dir / "0", steps)) == len(stopped) + 1

@@ -49,8 +49,8 @@ LIMITED = [
     "hydra.launcher.max_num_timeout=6",
 ]
 STOPPED = re.compile(
-    r"preempted by the time limit \(SLURM job \d+ ends in (\d+) s; a step takes ([\d.]+) s, "
-    r"a checkpoint ([\d.]+) s\) at step (\d+): checkpoint saved"
+    r"preempted by the time limit \(SLURM job \d+ ends in (\d+) s; a step takes ([\d.]+ m?s), "
+    r"a checkpoint ([\d.]+ m?s)\) at step (\d+): checkpoint saved"
 )
 RESUMED = re.compile(r"resumed from [\s\S]*?at\s+step\s+(\d+)")  # wrapped lines
 
