@@ -119,7 +119,7 @@ def test_a_signalled_job_resumes_where_it_stopped(slurm, tmp_path, how, command)
     assert proc.returncode == 0, out[-3000:]
     log = job_log(sweep_dir)
     stopped = re.findall(rf"preempted by {how} at step (\d+)", log)
-    resumed = re.findall(r"resumed from [\s\S]*? at step (\d+)", log)  # wrapped lines
+    resumed = re.findall(r"resumed from [\s\S]*?at\s+step\s+(\d+)", log)  # wrapped lines
     assert stopped and resumed == stopped[:1], log[-3000:]
     assert 20 <= int(stopped[0]) < STEPS
     assert len(nothing_lost(run_dir)) == 2  # two attempts, one W&B run
