@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def job(cfg: DictConfig) -> float | None:
     from runner.run import run  # heavy imports after the command line is known to be good
 
     try:
-        return run(cfg)["final_loss"]
+        final_loss = run(cfg)["final_loss"]
+        stop_here()
+        return final_loss
     except Preempted as e:  # stops a sweep too: the cluster wants the machine back
         print(f"{e}; {how_to_continue()}", file=sys.stderr)
         from runner.train.preemption import hand_on
@@ -54,6 +57,25 @@ def job(cfg: DictConfig) -> float | None:
         return None
 
 
+def stop_here() -> None:
+    """A signal that came as the job completed (in its last step, its evaluation, its summary):
+    where this process goes on to the sweep's next job (the basic launcher), the sweep stops
+    there, exit 75, as if it had come a moment later. Elsewhere the job's process ends anyway."""
+    from runner.train.distributed import from_env
+    from runner.train.preemption import hand_on, late
+
+    name = late()
+    in_process = os.getpid() == SWEEP_PID and not from_env().enabled  # ranks decide together
+    if name is None or HydraConfig.get().mode != RunMode.MULTIRUN or not in_process:
+        return
+    num = HydraConfig.get().job.num
+    print(
+        f"{name} as job {num} completed: the sweep stops here; {how_to_continue()}", file=sys.stderr
+    )
+    hand_on(name)
+    sys.exit(Preempted.exit_code)
+
+
 def how_to_continue() -> str:
     """After a preemption: how the user continues this run, or the sweep it is a job of (run
     again in its folder, each job continues from its checkpoint)."""
@@ -72,6 +94,9 @@ def absolute_sweep_dir(arg: str) -> str:
     if key != "hydra.sweep.dir" or "${" in value or Path(value).is_absolute():
         return arg
     return f"{key}={Path(value).absolute()}"
+
+
+SWEEP_PID = os.getpid()  # the process that runs the command (and a basic sweep's every job)
 
 
 def main() -> None:

@@ -270,3 +270,48 @@ def test_a_job_that_timed_out_with_a_checkpoint_goes_again_up_to_max_num_timeout
     assert not sweep._resubmit(job("FAILED", True), resubmitted, 2)
     assert not sweep._resubmit(job("CANCELLED", True), resubmitted, 2)
     assert not sweep._resubmit(job("TIMEOUT", False), {}, 2)  # nothing to resume from
+
+
+SIGNAL_AT_LAST_STEP = """
+import os, signal, sys
+from runner.train.trainer import Trainer
+train_step = Trainer.train_step
+def signalled(self, window):
+    if self.step + 1 == self.loop.max_steps and not os.environ.get("SIGNALLED"):
+        os.environ["SIGNALLED"] = "1"  # job 0's last step only
+        os.kill(os.getpid(), signal.SIGTERM)
+    return train_step(self, window)
+Trainer.train_step = signalled
+import runpy
+runpy.run_module("runner", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_signal_as_a_basic_sweeps_job_completes_stops_the_sweep_there(tmp_path):
+    """The job completes (the signal came in its last step), and the next job does not start as
+    if nothing had been asked: the sweep stops, exit 75, and the same command completes it."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "precision=fp32,bf16", *QUICK, "trainer.max_steps=4", f"hydra.sweep.dir={sweep}"]
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_LAST_STEP, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert "SIGTERM as job 0 completed: the sweep stops here" in " ".join(first.stderr.split())
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
+    assert not (sweep / "1").exists()
+    again = subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "completed"

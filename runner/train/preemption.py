@@ -35,6 +35,7 @@ class Signals:
     `done`: after the last step: noted, and the run completes."""
 
     current: Signals | None = None  # the run's, while `handled` runs it
+    after_run: str | None = None  # a signal the last run completed despite (`late`)
 
     def __init__(self, stage: str = "waiting"):
         self.name: str | None = None  # the signal that decides
@@ -87,7 +88,9 @@ def handled(run: Callable) -> Callable:
         outer, Signals.current = Signals.current, signals
         try:
             with signals.installed():
-                return run(*args, **kwargs)
+                result = run(*args, **kwargs)
+            Signals.after_run = signals.name  # the run completed all the same
+            return result
         except Preempted as e:
             if signals.name in REQUEUE_SIGNALS and e.signal_name not in REQUEUE_SIGNALS:
                 e.signal_name = signals.name  # hand_on requeues
@@ -96,6 +99,13 @@ def handled(run: Callable) -> Callable:
             Signals.current = outer
 
     return wrapper
+
+
+def late() -> str | None:
+    """The signal that came in the last run's last step or after it (the run completed): the
+    process was still asked to stop, which a sweep's next job must not ignore."""
+    name, Signals.after_run = Signals.after_run, None
+    return name
 
 
 def setup_begins() -> Signals | None:
