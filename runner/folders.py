@@ -1,5 +1,5 @@
 """A job folder is one run: one config, one writer at a time, one W&B run (a sweep folder is one
-sweep: runner/launch/sweep_folder.py). Everything that reads a folder later (a rerun, the
+sweep: runner/sweep_folder.py). Everything that reads a folder later (a rerun, the
 comparison, W&B) relies on this.
 
 Files: `.lock` (held while a process writes the folder; it names that process) and `run.json`
@@ -25,6 +25,9 @@ from runner.files import read_json, remove_stale, write_text
 from runner.train.resume_check import RERUN_KEYS, unapplied
 
 LOCK, RUN_RECORD, SWEEP_RECORD = ".lock", "run.json", "sweep.json"
+# Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
+# or SLURM's CANCELLED, TIMEOUT, ...) and why, which say why a run that did not complete stopped.
+LAUNCHER_RECORD = "launcher.json"
 _held: dict[Path, int] = {}  # folder -> the descriptor whose flock this process holds
 
 
@@ -128,8 +131,6 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
     run_id = record.get("wandb_run_id") or (state.get("wandb_run_id") if own else None)
     run_id = run_id or new_run_id()
     if main:
-        from runner.compare.jobs import LAUNCHER_RECORD
-
         (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
         write_hydra_files(folder, cfg)
         config = OmegaConf.to_container(cfg, resolve=True)

@@ -53,6 +53,7 @@ def output_dir(explicit: str | Path | None) -> Path:
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
     directory; return the summary. A failed run still leaves a summary.json that says why."""
+    validate(cfg)
     ranks = distributed.init()
     console.console.quiet = not ranks.main  # one voice: rank 0's
     out = output_dir(out_dir)
@@ -67,10 +68,11 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
 def _run(cfg: DictConfig, out: Path, ranks) -> dict:
     resume = _resume_point(cfg, out)
     state = resume[1] if resume else None
-    done = _finished(cfg, out, resume)
+    # a requeued job whose run had finished: its summary stands, and it ends at once
+    finished = state is not None and state["step"] >= cfg.trainer.max_steps
+    done = finished_summary(out, state["step"]) if finished else None
     # the command's values held against the run the folder holds, before anything is written
     run_id = folders.admit(out, cfg, resume, done is not None, ranks.main)
-    validate(cfg)
     if done is not None:
         console.say(
             f"{resume[0]} is at step {state['step']}: the run had finished "
@@ -146,15 +148,6 @@ def _in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def _finished(cfg: DictConfig, out: Path, resume: tuple | None) -> dict | None:
-    """A requeued job whose run had finished: its summary (it ends at once, and nothing is
-    rewritten); None for a run with steps to take."""
-    state = resume[1] if resume else None
-    if not state or state["step"] < cfg.trainer.max_steps:
-        return None
-    return finished_summary(out, state["step"])
 
 
 def _precision(cfg: DictConfig, device: torch.device, caps: DeviceCaps, ranks) -> Precision:

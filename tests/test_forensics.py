@@ -20,20 +20,28 @@ POISONED_STEP = 3
 
 
 class PoisonedBlobs(Blobs):
-    """Blobs whose `offset`-th sample of the global batch of `step` (`POISONED_STEP`) is NaN:
-    that step's loss is non-finite whatever the weights, and the steps around it are healthy."""
+    """Blobs whose `offset`-th sample of the global batch of `step` (`POISONED_STEP`; and of
+    `later`, where given) is NaN: that step's loss is non-finite whatever the weights, and the
+    steps around it are healthy."""
 
     def __init__(
-        self, *args, global_batch: int, offset: int = 0, step: int = POISONED_STEP, **kwargs
+        self,
+        *args,
+        global_batch: int,
+        offset: int = 0,
+        step: int = POISONED_STEP,
+        later: int | None = None,
+        **kwargs,
     ):
         super().__init__(*args, **kwargs)
         order = np.random.default_rng([self.seed, 0]).permutation(self.split_size("train"))
-        self.poisoned = int(order[(step - 1) * global_batch + offset])
+        steps = [step] + ([later] if later else [])
+        self.poisoned = {int(order[(s - 1) * global_batch + offset]) for s in steps}
 
     def collate(self, split, keys):
         batch = super().collate(split, keys)
         for row, key in enumerate(keys):
-            if split == "train" and key[2] == self.poisoned:
+            if split == "train" and key[2] in self.poisoned:
                 batch["features"][row] = float("nan")
         return batch
 
@@ -77,13 +85,13 @@ def test_the_replay_runs_on_the_weights_of_the_step_that_failed(tmp_path, monkey
 
 
 def test_a_resumed_run_keeps_the_report_of_its_first_non_finite_step(tmp_path):
-    """Poisoned at step 3, checkpointed at 4; resumed with step 6 poisoned: nonfinite.json still
-    describes step 3 (the run's first), and step 6 is skipped without replacing it."""
-    overrides = _poisoned(batch=8, global_batch=8)
+    """Poisoned at steps 3 and 6, checkpointed at 4; resumed: nonfinite.json still describes
+    step 3 (the run's first), and step 6 is skipped without replacing it."""
+    overrides = [*_poisoned(batch=8, global_batch=8), "+dataset.later=6"]
     run(make_cfg(*overrides, "trainer.max_steps=4"), tmp_path)
     first = (tmp_path / "nonfinite.json").read_text()
     assert json.loads(first)["step"] == POISONED_STEP
-    resumed = [*overrides, "+dataset.step=6", "trainer.max_steps=7", "trainer.resume=auto"]
+    resumed = [*overrides, "trainer.max_steps=7", "trainer.resume=auto"]
     summary = run(make_cfg(*resumed), tmp_path)
     assert [r["step"] for r in read_metrics(tmp_path) if r["skipped"]] == [POISONED_STEP, 6]
     assert summary["skipped_steps"] == 2

@@ -117,7 +117,7 @@ def test_a_hostile_value_is_one_line_naming_the_key_before_anything_runs(args, m
     with pytest.raises(UserError) as e:
         preflight(args)
     assert message in str(e.value) and "\n" not in str(e.value)
-    assert len(str(e.value)) < 400
+    assert len(str(e.value)) < 500  # a schema's keys listed: trainer has 20
 
 
 def test_an_unimportable_target_is_said_once(caplog):

@@ -12,6 +12,7 @@ RUNNER = Path(__file__).resolve().parent.parent / "runner"
 LAYERS = [
     (
         "runner.errors",
+        "runner.files",
         "runner.summary_aliases",
         "runner.console",
         "runner.task",
@@ -23,6 +24,7 @@ LAYERS = [
     ("runner.config",),
     ("runner.measure",),
     ("runner.train",),
+    ("runner.folders", "runner.sweep_folder"),  # a job folder's and a sweep folder's rules
     ("runner.answers",),
     ("runner.compare",),
     ("runner.run",),

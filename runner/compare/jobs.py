@@ -12,13 +12,9 @@ from omegaconf import OmegaConf
 
 from runner.errors import UserError
 from runner.files import read_json, read_rows
-from runner.folders import SWEEP_RECORD, read_record, rerun_key
-from runner.launch.sweep_folder import member
+from runner.folders import LAUNCHER_RECORD, SWEEP_RECORD, read_record, rerun_key
+from runner.sweep_folder import member
 from runner.tracking import flat_config
-
-# Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
-# or SLURM's CANCELLED, TIMEOUT, ...) and why, which say why a run that did not complete stopped.
-LAUNCHER_RECORD = "launcher.json"
 
 # Keys that say how a job was run, not what it ran: left out of its identity.
 BOOKKEEPING = (

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner import console
+from runner import console, sweep_folder
 from runner.compare import capacity, dashboard, finetune, incomplete, report, seeds
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep, others_line
@@ -30,7 +30,6 @@ from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.config.schema import CompareConfig
 from runner.errors import UserError, fail
-from runner.launch import sweep_folder
 from runner.summary_aliases import converted_section
 
 TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default

@@ -14,10 +14,9 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner import folders
-from runner.compare.jobs import LAUNCHER_RECORD
+from runner import folders, sweep_folder
 from runner.files import write_text
-from runner.launch import sweep_folder
+from runner.folders import LAUNCHER_RECORD
 from runner.tracking import finished_summary
 
 

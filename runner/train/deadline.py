@@ -8,9 +8,11 @@ device read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from datetime import datetime
 
 from runner import console
@@ -99,3 +101,21 @@ def deadline_for(
         end, said = started + float(limit), f"trainer.time_limit_s={limit} runs out"
     margin = float(trainer_cfg.get("time_limit_margin_s", 15.0))
     return Deadline(end, said, steps_after, margin, 1.0 + state_bytes / WRITE_BYTES_PER_S)
+
+
+def watch(trainer, run_signals) -> Deadline | None:
+    """A fit's Deadline, where it answers the run's own signals (rank 0 watches the clock)."""
+    if run_signals is None or not trainer.dist.main:
+        return None
+    after = 2 if trainer.dist.enabled else 1  # under DDP the flag is heard a step late
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in trainer.task.parameters())
+    return deadline_for(trainer.cfg, run_signals.started, after, state_bytes)
+
+
+@contextlib.contextmanager
+def timed(deadline: Deadline | None) -> Iterator[None]:
+    """The block (a checkpoint) timed: the next one is expected to take as long."""
+    started = time.monotonic()
+    yield
+    if deadline is not None:
+        deadline.checkpointed(time.monotonic() - started)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from runner import console
 from runner.errors import Preempted
 from runner.train.distributed import Dist
 
@@ -147,6 +148,14 @@ class Preemption:
     @property
     def why(self) -> str | None:
         return self.signals.why if self.signals is not None else None
+
+    def completes(self, last: bool) -> bool:
+        """A stop asked for in the last step: nothing is left to come back for, so the run
+        completes (said)."""
+        if last:
+            stopper = self.why or self.signal or "a signal to another rank"
+            console.say(f"{stopper} in the last step: the run completes")
+        return last
 
     def time_up(self, why: str) -> None:
         """The job's end time is near: stop as a SIGUSR2 would (submitit's requeue)."""

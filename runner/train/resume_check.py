@@ -25,6 +25,9 @@ RERUN_KEYS = (
     "runner.summary",
     "compare",
     "cache_dir",
+    # a resumed run takes its loss scaler's floor, cap, hysteresis and pace from its config, the
+    # scale from its checkpoint (docs/answers.md)
+    "precision.grad_scaler",
 )
 
 

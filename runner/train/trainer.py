@@ -6,7 +6,6 @@ checkpoint. Timing lives in `Meter`, checkpoint files in `Checkpointer`, non-fin
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from runner.task import Batch, DataModule, Task
 from runner.tracking import RunLog
 from runner.train import distributed
 from runner.train.checkpoint import Checkpointer
-from runner.train.deadline import deadline_for
+from runner.train.deadline import timed, watch
 from runner.train.diagnostics import Forensics
 from runner.train.distributed import Dist
 from runner.train.evaluation import Evaluation
@@ -118,13 +117,7 @@ class Trainer:
         loader = iter(self.data.train_loader(self.samples_seen, self.dist.rank, self.dist.world))
         self.meter.start(self.step)
         self.task.train()
-        deadline = self.deadline = None
-        if run_signals is not None and self.dist.main:
-            after = 2 if self.dist.enabled else 1  # under DDP the flag is heard a step late
-            state_bytes = 3 * sum(p.numel() * p.element_size() for p in self.task.parameters())
-            deadline = self.deadline = deadline_for(
-                self.cfg, run_signals.started, after, state_bytes
-            )
+        deadline = self.deadline = watch(self, run_signals)
         with (
             self.precision.fast_kernels,  # precision.cpu_kernels=fast: for this fit only
             ProgressBar(loop.max_steps, self.cfg.progress_bar) as bar,
@@ -177,17 +170,11 @@ class Trainer:
                 *trouble, self.meter.rows, self.consecutive_skipped, self._stuck
             )
         preempted, collapsed = self.preemption.requested, self.collapsed
-        if preempted and due["last"]:  # nothing is left to come back for: the run completes
-            stopper = self.preemption.why or self.preemption.signal or "a signal to another rank"
-            console.say(f"{stopper} in the last step: the run completes")
-            preempted = False
+        preempted = preempted and not self.preemption.completes(due["last"])
         if due["checkpoint"] or due["last"] or preempted or collapsed:
-            started = time.monotonic()
-            self.checkpointer.save(
-                self.state_dict(), self.step, due["checkpoint"], self._state_tensors()
-            )
-            if self.deadline is not None:
-                self.deadline.checkpointed(time.monotonic() - started)
+            with timed(self.deadline):  # a checkpoint's time, for the time limit's watch
+                tensors = state_tensors(self.task, self.params)
+                self.checkpointer.save(self.state_dict(), self.step, due["checkpoint"], tensors)
         if preempted:
             raise Preempted(self.preemption.signal, self.step, self.preemption.why)
         if collapsed:  # checkpointed: skipped steps left the weights finite, resumable in bf16
@@ -211,7 +198,7 @@ class Trainer:
         # This step's work is queued: waiting for the previous step's flag leaves no gap.
         self.settle()
         if self._stuck or self.collapsed:
-            self._zero_grad()
+            zero_grad(self.optimizers)
             return None
         self.lr = next(iter(self.optimizers.values())).param_groups[0]["lr"]
         result = self.precision.step(
@@ -222,7 +209,7 @@ class Trainer:
             loss=totals["loss"],
             clip_per_group=self.loop.clip_per_group,
         )
-        self._zero_grad()
+        zero_grad(self.optimizers)
         self._unsettled = PendingStep(
             self.step + 1,
             read_later(result.skipped),
@@ -233,10 +220,6 @@ class Trainer:
             read_later(signalled),
         )
         return totals, result
-
-    def _zero_grad(self) -> None:
-        for optimizer in self.optimizers.values():
-            optimizer.zero_grad(set_to_none=True)
 
     def settle(self) -> None:
         """Books the last optimizer step once its skip flag is on the host: skip counters, and the
@@ -272,12 +255,6 @@ class Trainer:
         self.checkpointer.restore(self, state)
         self.forensics.resumed(self.skipped_steps)  # a first non-finite step's report stays
 
-    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """What a checkpoint must not hold non-finite: the trainable weights and the buffers
-        (BatchNorm's running statistics take a skipped step's forward in)."""
-        names = {p: n for n, p in self.task.named_parameters()}
-        return [(names[p], p) for p in self.params] + list(self.task.named_buffers())
-
     def summary(self) -> dict:
         return {
             "steps": self.step,
@@ -287,3 +264,15 @@ class Trainer:
             **self.evaluation.summary(),
             **({"resumed_across_precision": self.conversion} if self.conversion else {}),
         }
+
+
+def zero_grad(optimizers: dict[str, torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers.values():
+        optimizer.zero_grad(set_to_none=True)
+
+
+def state_tensors(task: Task, params: list) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint must not hold non-finite: the trainable weights and the buffers
+    (BatchNorm's running statistics take a skipped step's forward in)."""
+    names = {p: n for n, p in task.named_parameters()}
+    return [(names[p], p) for p in params] + list(task.named_buffers())

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from runner.errors import UserError
 from runner.files import write_text
 from runner.folders import (
+    LAUNCHER_RECORD,
     REFUSED,
     RUN_RECORD,
     SWEEP_RECORD,
@@ -46,8 +47,6 @@ def member(folder: Path, sweep: str | None) -> bool:
     identity, whose jobs all belong)."""
     if sweep is None:
         return True
-    from runner.compare.jobs import LAUNCHER_RECORD
-
     return sweep in (
         read_record(folder).get("sweep"),
         read_record(folder, LAUNCHER_RECORD).get("sweep"),
