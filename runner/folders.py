@@ -124,19 +124,42 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
     own = resume is not None and folder.absolute() in Path(resume[0]).absolute().parents
     if holds_run(folder):
         saved = record.get("config") or (state.get("config") if own else None)
-        allowed = ("precision",) if cfg.trainer.resume_across_precision else ()
-        changed = unapplied(saved, cfg, allowed)
+        converts = cfg.trainer.resume_across_precision and not finished  # a finished run: never
+        changed = unapplied(saved, cfg, ("precision",) if converts else ())
+        if not finished:
+            changed += _schedule_change(saved, cfg, state["step"] if state else 0)
         if changed:
             raise _refused(Changed(_refusal(folder, resume, finished, changed)))
     run_id = record.get("wandb_run_id") or (state.get("wandb_run_id") if own else None)
     run_id = run_id or new_run_id()
-    if main:
+    # the sweep it runs in; a run of its own in a sweep's job folder leaves it the sweep's
+    mine = {"sweep": current_sweep() or record.get("sweep"), "wandb_run_id": run_id}
+    if main and finished:  # nothing runs: its record stands, only its sweep is noted
+        write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
+    elif main:
         (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
         write_hydra_files(folder, cfg)
-        config = OmegaConf.to_container(cfg, resolve=True)
-        mine = {"config": config, "sweep": current_sweep(), "wandb_run_id": run_id}
+        mine["config"] = OmegaConf.to_container(cfg, resolve=True)
         write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
     return run_id
+
+
+def _schedule_change(saved: dict | None, cfg: DictConfig, step: int) -> list[str]:
+    """trainer.max_steps may change on a rerun only where the `step` steps taken ran the learning
+    rates the new one gives (a constant schedule, or steps still in the warm-up) and none is
+    past it: the continued run is then the run it says it is."""
+    before, now = (saved or {}).get("trainer", {}).get("max_steps"), cfg.trainer.max_steps
+    if before is None or before == now or not step:
+        return []
+    schedule = (saved or {}).get("optim", {}).get("scheduler") or {}
+    decays = schedule.get("decay", "constant") != "constant"
+    if now < step:
+        why = f"it has taken {step} steps"
+    elif decays and step > schedule.get("warmup_steps", 0):
+        why = f"the {step} steps taken had the learning rates of a {before}-step schedule"
+    else:
+        return []
+    return [f"trainer.max_steps={now} (it ran: {before}; {why})"]
 
 
 def _refusal(folder: Path, resume: tuple | None, finished: bool, changed: list[str]) -> str:

@@ -47,6 +47,8 @@ def member(folder: Path, sweep: str | None) -> bool:
     identity, whose jobs all belong)."""
     if sweep is None:
         return True
+    if (folder / RUN_RECORD).exists() and not read_record(folder):
+        return True  # its record is unreadable: shown (and named failed, where it is) not hidden
     return sweep in (
         read_record(folder).get("sweep"),
         read_record(folder, LAUNCHER_RECORD).get("sweep"),
@@ -102,14 +104,7 @@ def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> bool:
         if not (ran_file.exists() and holds_run(folder)):
             continue
         reused = True
-        ran = _values(OmegaConf.to_container(OmegaConf.load(ran_file), resolve=False))
-        asks = _values(overrides)
-        unset = (None, "(unset)")
-        changed = [
-            f"{key}={asks.get(key, unset)[1]} (it ran: {ran.get(key, unset)[1]})"
-            for key in sorted(ran.keys() | asks.keys())
-            if ran.get(key, unset)[0] != asks.get(key, unset)[0] and not rerun_key(key)
-        ]
+        changed = _changed(folder, _values(overrides))
         if changed:
             refused.append(f"job {num} ({folder}) asks {', '.join(changed)}")
     if refused:
@@ -120,6 +115,35 @@ def check_jobs(sweep_dir: Path, subdir: str, jobs: list[list[str]]) -> bool:
             "folder of its own (hydra.sweep.dir=...), or run the command that made it"
         )
     return reused
+
+
+def _changed(folder: Path, asks: dict[str, tuple]) -> list[str]:
+    """The values a job's command line sets (`asks`) that its folder's run did not run, as
+    "key=new (it ran: old)": against the run's own command line where it set the key, else its
+    config group's choice or its recorded value. A key it no longer sets takes a default that
+    only the job's own check knows (`runner.folders.admit`); so does an unreadable record."""
+    try:
+        ran = _values(OmegaConf.to_container(OmegaConf.load(folder / ".hydra" / "overrides.yaml")))
+        hydra = OmegaConf.load(folder / ".hydra" / "hydra.yaml")
+        choices = OmegaConf.to_container(hydra.hydra.runtime.choices)
+    except Exception:  # torn, garbled or missing: the job's own check, when it runs, decides
+        return []
+    config = OmegaConf.create(read_record(folder).get("config") or {})
+    converts = str(asks.get("trainer.resume_across_precision", ("",))[0]).lower() == "true"
+    changed = []
+    for key, (value, shown) in sorted(asks.items()):
+        if rerun_key(key) or (converts and key.split(".")[0] == "precision"):
+            continue
+        if key in ran:
+            before, said = ran[key]
+        elif key in choices:
+            before = said = choices[key]
+        else:
+            before = OmegaConf.select(config, key, default="(unset)")
+            said = before
+        if before != value and before != "(unset)":
+            changed.append(f"{key}={shown} (it ran: {said})")
+    return changed
 
 
 def _values(overrides: list[str]) -> dict[str, tuple]:

@@ -129,18 +129,24 @@ def _read_job(folder: Path) -> Job:
             said = summary.get("error") or summary.get("status")
             summary = summary | {"error": f"{why} ({said})" if said else why}
     rows, _ = read_rows(folder / "metrics.jsonl")  # a line a kill tore: the rows before it
-    hydra_dir = folder / ".hydra"
-    config = (
-        OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"))
-        if (hydra_dir / "config.yaml").exists()
-        else {}
-    )
-    overrides = (
-        list(OmegaConf.load(hydra_dir / "overrides.yaml"))
-        if (hydra_dir / "overrides.yaml").exists()
-        else []
-    )
-    return Job(folder, summary, rows, config, overrides)
+    config, overrides = _hydra_record(folder / ".hydra", "config.yaml"), None
+    if config is not None:
+        overrides = _hydra_record(folder / ".hydra", "overrides.yaml")
+    if config is None or overrides is None:  # what it ran is unknown: compared as failed
+        torn = "config.yaml" if config is None else "overrides.yaml"
+        summary = {"status": "failed", "error": f".hydra/{torn} unreadable"}
+    return Job(folder, summary, rows, config or {}, overrides or [])
+
+
+def _hydra_record(hydra_dir: Path, name: str):
+    """A file of the job's .hydra/ record as plain values ({} or [] where it has none); None
+    where it cannot be read (torn, garbled)."""
+    if not (hydra_dir / name).exists():
+        return {} if name == "config.yaml" else []
+    try:
+        return OmegaConf.to_container(OmegaConf.load(hydra_dir / name))
+    except Exception:
+        return None
 
 
 def job_folders(sweep_dir: Path) -> tuple[list[Path], list[Path]]:

@@ -57,7 +57,18 @@ def group(jobs: list[Job]) -> list[Group]:
     """The rows of a sweep: jobs that differ only by their seed, each with its baseline."""
     groups: dict[tuple, Group] = {}
     for job in jobs:
-        groups.setdefault((job.precision, job.identity), Group([], job.label)).jobs.append(job)
+        row = groups.setdefault((job.precision, job.identity), Group([], job.label))
+        seed = job.config.get("seed")
+        twin = next(
+            (j for j in row.jobs if seed is not None and j.config.get("seed") == seed), None
+        )
+        if twin is not None:  # the same run again (another command's job folder): one seed
+            console.say(
+                f"{job.folder.name}: the same config and seed as {twin.folder.name}: "
+                "counted once, not as another seed"
+            )
+            continue
+        row.jobs.append(job)
     rows = list(groups.values())
     for g in rows:
         g.base = baseline(g, [r for r in rows if r.setting == g.setting])

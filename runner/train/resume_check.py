@@ -23,6 +23,11 @@ RERUN_KEYS = (
     "trainer.progress_bar",
     "logger",
     "runner.summary",
+    "runner.seeds",  # how many seeds the sweep runs, and how the comparison times and says them
+    "runner.max_seeds",
+    "runner.speed",
+    "runner.speed_rounds",
+    "runner.speed_steps",
     "compare",
     "cache_dir",
     # a resumed run takes its loss scaler's floor, cap, hysteresis and pace from its config, the
