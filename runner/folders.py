@@ -114,7 +114,7 @@ def new_run_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
-def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, main: bool) -> str:
+def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, ranks) -> str:
     """Before anything in `folder` is written: refuse a command whose values are not those of
     the run the folder holds (one line naming each key and both values), then record this run
     (.hydra/, run.json) with its sweep and W&B run id; the id. `resume`: the checkpoint to resume
@@ -126,6 +126,10 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
         saved = record.get("config") or (state.get("config") if own else None)
         converts = cfg.trainer.resume_across_precision and not finished  # a finished run: never
         changed = unapplied(saved, cfg, ("precision",) if converts else ())
+        if _global_batch(saved, record) == cfg.dataset.batch_size * ranks.world:
+            # another number of ranks with the same global batch: the same run (a sharded
+            # checkpoint reshards, a single file is dealt out: docs/reliability.md)
+            changed = [c for c in changed if not c.startswith("dataset.batch_size=")]
         if not finished:
             changed += _schedule_change(saved, cfg, state["step"] if state else 0)
         if changed:
@@ -134,14 +138,21 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, m
     run_id = run_id or new_run_id()
     # the sweep it runs in; a run of its own in a sweep's job folder leaves it the sweep's
     mine = {"sweep": current_sweep() or record.get("sweep"), "wandb_run_id": run_id}
+    main = ranks.main
     if main and finished:  # nothing runs: its record stands, only its sweep is noted
         write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
     elif main:
         (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
         write_hydra_files(folder, cfg)
-        mine["config"] = OmegaConf.to_container(cfg, resolve=True)
+        mine |= {"config": OmegaConf.to_container(cfg, resolve=True), "world_size": ranks.world}
         write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
     return run_id
+
+
+def _global_batch(saved: dict | None, record: dict) -> int | None:
+    """The global batch the folder's run trained with: its per-rank batch times its ranks."""
+    batch = (saved or {}).get("dataset", {}).get("batch_size")
+    return batch * record.get("world_size", 1) if isinstance(batch, int) else None
 
 
 def _schedule_change(saved: dict | None, cfg: DictConfig, step: int) -> list[str]:

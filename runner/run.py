@@ -72,7 +72,7 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
     finished = state is not None and state["step"] >= cfg.trainer.max_steps
     done = finished_summary(out, state["step"]) if finished else None
     # the command's values held against the run the folder holds, before anything is written
-    run_id = folders.admit(out, cfg, resume, done is not None, ranks.main)
+    run_id = folders.admit(out, cfg, resume, done is not None, ranks)
     if done is not None:
         console.say(
             f"{resume[0]} is at step {state['step']}: the run had finished "

@@ -158,10 +158,12 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
     assert summary["world_size"] == 2 and summary["batch_size"] == 8
     # rank 0 alone writes: one metrics file, one checkpoint folder, no second summary
     assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == [
+        ".lock",
         "checkpoints",
         "metrics.jsonl",
         "rank0.json",
         "rank1.json",
+        "run.json",
         "summary.json",
     ]
 

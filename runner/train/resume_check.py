@@ -18,6 +18,7 @@ RERUN_KEYS = (
     "trainer.max_steps",
     "trainer.checkpoint_every_n_steps",
     "trainer.keep_last_k",
+    "trainer.strategy",  # DDP or FSDP: the same numerics (docs/distributed.md), shards apart
     "trainer.time_limit_s",  # when an attempt stops for the job's end, not what it trains
     "trainer.time_limit_margin_s",
     "trainer.progress_bar",
