@@ -125,18 +125,23 @@ def test_temporary_files_a_killed_writer_left_are_removed(tmp_path, capsys):
     assert ".last.pt.99999.tmp" in " ".join(capsys.readouterr().err.split())
 
 
-def test_a_folder_another_process_writes_is_refused_naming_that_process(tmp_path):
-    holder = subprocess.Popen(
+def holding(folder: Path) -> subprocess.Popen:
+    """Another process that holds `folder`'s lock (it prints "held" once it does)."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from runner import folders; "
             "folders.hold(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
-            str(tmp_path),
+            str(folder),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def test_a_folder_another_process_writes_is_refused_naming_that_process(tmp_path):
+    holder = holding(tmp_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(UserError, match=f"is in use by process {holder.pid} on "):
@@ -194,17 +199,7 @@ def test_an_unreadable_summary_makes_its_job_failed_and_named(tmp_path):
 
 def test_a_lock_is_dropped_with_its_process(tmp_path):
     """A killed writer never leaves its folder locked: the kernel drops the lock."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from pathlib import Path; from runner import folders; "
-            "folders.hold(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
-            str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holding(tmp_path)
     assert holder.stdout.readline().strip() == "held"
     os.kill(holder.pid, 9)
     holder.wait()

@@ -293,25 +293,18 @@ def test_a_signal_as_a_basic_sweeps_job_completes_stops_the_sweep_there(tmp_path
     sweep = tmp_path / "sweep"
     args = ["-m", "precision=fp32,bf16", *QUICK, "trainer.max_steps=4", f"hydra.sweep.dir={sweep}"]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AT_LAST_STEP, *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def command(*how: str) -> subprocess.CompletedProcess:
+        run = [sys.executable, *how, *args]
+        return subprocess.run(
+            run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    first = command("-c", SIGNAL_AT_LAST_STEP)
     assert first.returncode == 75, first.stderr[-3000:]
     assert "SIGTERM as job 0 completed: the sweep stops here" in " ".join(first.stderr.split())
     assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "completed"
     assert not (sweep / "1").exists()
-    again = subprocess.run(
-        [sys.executable, "-m", "runner", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = command("-m", "runner")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((sweep / "1" / "summary.json").read_text())["status"] == "completed"

@@ -11,11 +11,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import test_sweep_rerun as sweep_rerun
 from tests.e2e.test_sweep_rerun import ENV, LONG, rows, statuses, wait_for, worker_writing
 from tests.helpers import cli, read_metrics
 
@@ -40,14 +40,7 @@ def joblib_sweep(sweep: Path, precisions: str) -> list[str]:
 def start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     """The sweep in the background, in a process group of its own (as a terminal's job is), its
     output into `log`."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner", *args],
-        cwd=cwd,
-        env=ENV,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return sweep_rerun.start(args, cwd, log, start_new_session=True)
 
 
 def summary(run_dir: Path) -> dict:

@@ -6,25 +6,20 @@ failed before its fix."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_reruns import ENV as E2E_ENV
+from tests.e2e.test_reruns import SMALL as RERUN_SMALL
 from tests.helpers import cli, read_metrics
 
 pytestmark = pytest.mark.slow
 
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-SMALL = [
-    "model=mlp",
-    "dataset.num_samples=256",
-    "logger=none",
-    "trainer.progress_bar=false",
-    "trainer.val_check_interval=0",
-]
+ENV = E2E_ENV | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+SMALL = [a for a in RERUN_SMALL if not a.startswith("trainer.checkpoint")]
 
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

@@ -53,7 +53,7 @@ def statuses(sweep: Path) -> list[str]:
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
-def start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+def start(args: list[str], cwd: Path, log: Path, **popen) -> subprocess.Popen:
     """The sweep in the background, its output into `log`."""
     return subprocess.Popen(
         [sys.executable, "-m", "runner", *args],
@@ -61,6 +61,7 @@ def start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
         env=ENV,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
+        **popen,
     )
 
 
