@@ -135,6 +135,7 @@ LOG_EACH = ["trainer.log_every_n_steps=1"]
 FP32_BERT = [*TINY_BERT, "precision=fp32", *LOG_EACH]
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
     """2 ranks × batch 4 × 2 micro-batches ≡ 1 process × batch 8 × 2: the loss is normalised by
     the masked tokens of the whole global window, and the ranks deal out one sample stream."""
@@ -168,6 +169,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
     ]
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_gradients_are_averaged_once_per_accumulation_window(tmp_path):
     common = [*TINY_MLP, "trainer.max_steps=3"]
     reports = run_ranks(
@@ -181,6 +183,7 @@ def test_gradients_are_averaged_once_per_accumulation_window(tmp_path):
     assert per_window[0] > 0 and per_window[1] == per_window[0]  # 4 micro-batches, one sync
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_a_resumed_two_rank_run_continues_bit_for_bit(tmp_path):
     """Dropout on (each rank has its own random stream, saved and restored per rank)."""
     common = [*TINY_BERT, "model.dropout=0.1", "trainer.log_every_n_steps=1"]
@@ -218,6 +221,7 @@ def sigterm_rank_1(rank: int) -> Callable[[], dict]:
     return dict
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_a_signal_to_one_rank_stops_every_rank_within_one_step(tmp_path):
     """Between flush points too (log_every_n_steps=50): the flag travels with each step's token
     count, so rank 0 learns of it at once and both stop at the step after the signal's."""
@@ -231,6 +235,7 @@ def test_a_signal_to_one_rank_stops_every_rank_within_one_step(tmp_path):
     assert summary["status"] == "preempted" and state["step"] == summary["steps"] == min(stopped)
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_torchrun_runs_two_ranks_into_one_run_directory(tmp_path):
     ranks = tmp_path / "ranks"  # each rank's own output, where a failure says why
     result = cli(
@@ -290,6 +295,7 @@ def test_fsdp_in_one_process_is_one_clear_error(tmp_path):
         run(make_cfg(*TINY_MLP, "trainer.strategy=fsdp"), tmp_path)
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
     """FSDP2 over 2 ranks, fp32: the same losses, grad norms and weights as one process."""
     steps = ["trainer.max_steps=3", "optim.optimizer.eps=1e-4"]
@@ -331,6 +337,7 @@ def test_fsdp_equals_one_process_with_the_global_batch(tmp_path):
     torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_fsdp_mixed_precision_trains_and_resumes_from_its_shards(tmp_path, mode):
     """bf16/fp16 parameters for compute, fp32 shards and gradient reduction; fp16 with the
@@ -373,6 +380,7 @@ def stall_before_committing_step_4(rank: int) -> Callable[[], dict]:
 FSDP_MLP = [*TINY_MLP, *LOG_EACH, "trainer.strategy=fsdp", "trainer.val_check_interval=0"]
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_a_run_killed_between_the_ranks_writes_resumes_from_the_previous_whole_set(tmp_path):
     """Killed after the ranks wrote their shards of step-4 and before the set was committed:
     resume=auto skips step-4, naming it, and continues from step-2 bit for bit."""
@@ -409,6 +417,7 @@ def test_a_run_killed_between_the_ranks_writes_resumes_from_the_previous_whole_s
     assert all((folder / name / ".metadata").exists() for name in ("step-4", "step-6"))
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     """2 FSDP ranks → 1 process (DCP reshards the set on load) and 1 process → 2 FSDP ranks (each
     keeps its part of the single file): the same losses as one uninterrupted process with the

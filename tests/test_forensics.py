@@ -128,6 +128,7 @@ def test_fp16_master_gets_its_own_hint(tmp_path):
         run(cfg, tmp_path)
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_under_ddp_the_failing_rank_replays_its_own_batches(tmp_path):
     """The NaN sample goes to rank 1 (the second half of the global batch): rank 0's
     micro-batches are healthy, so only rank 1's replay can name the module."""

@@ -5,6 +5,7 @@ generators were saved still resumes, with a warning."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runner.precision import fp4
@@ -83,6 +84,7 @@ def test_each_rank_rounds_with_its_own_stream_and_a_restored_one_continues():
     assert restored.sr_state()["cpu"].equal(going.sr_state()["cpu"])
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_a_resumed_two_rank_nvfp4_run_continues_bit_for_bit_each_rank_with_its_stream(tmp_path):
     """DDP over gloo: every rank's generator state is saved (`streams_by_rank`, one per rank,
     different), and the run resumed after 2 steps of 4 logs the same losses."""

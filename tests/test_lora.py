@@ -269,6 +269,7 @@ def test_the_comparison_shows_base_and_trained_memory(tmp_path, llama):  # noqa:
     assert "| base MB | trained MB |" in header
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_lora_trains_under_ddp_and_fsdp(tmp_path):
     """Two ranks: the adapters train and the base stays frozen, averaged by DDP and sharded by
     FSDP alike; DDP's checkpoint holds the adapters alone (FSDP's set, DCP's, holds all)."""

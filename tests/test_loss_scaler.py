@@ -187,6 +187,7 @@ def test_by_default_every_overflow_backs_off_and_the_run_goes_on(tmp_path):
     assert scales(tmp_path) == [S, S / 2, S / 4, S / 8] and summary["status"] == "completed"
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fsdp_s_sharded_scaler_keeps_the_hysteresis_and_resumes_its_count(tmp_path):
     """Two ranks, FSDP2's ShardedGradScaler (overflows agreed over ranks), a sharded checkpoint
     set: the same scales straight through and resumed after the two tolerated overflows."""

@@ -144,7 +144,8 @@ def cell_id(cell: tuple) -> str:
 
 
 def marks(cell: tuple) -> list:
-    return [pytest.mark.xdist_group("ranks")] if cell in DISTRIBUTED else []
+    # two ranks: a slow test (make test runs one process a test; make test-slow and CI run them)
+    return [pytest.mark.xdist_group("ranks"), pytest.mark.slow] if cell in DISTRIBUTED else []
 
 
 # --- the models ---------------------------------------------------------------------------

@@ -187,6 +187,7 @@ def matrix_runs(tmp_path_factory):
     return root, summaries
 
 
+@pytest.mark.slow  # its rows start ranks, one after another: make test-slow and CI run it
 @pytest.mark.xdist_group("matrix")  # one worker runs the whole matrix once (pytest -n)
 @pytest.mark.parametrize("row", MATRIX, ids=[_name(r) for r in MATRIX])
 def test_every_option_keeps_its_word_next_to_the_others(matrix_runs, row):

@@ -89,6 +89,7 @@ def test_the_largest_batch_fits_the_budget_and_one_more_does_not(tmp_path):
     assert found["memory"]["total"] == pytest.approx(found["max_batch_fit"]["measured_mb"]["64"])
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: make test stays under 10 minutes
 def test_each_precision_fits_its_own_batch_and_the_comparison_says_how_many_times_fp32s(
     tmp_path,
 ):

@@ -126,6 +126,7 @@ class Blocks(nn.Module):
         return self.layers(x)
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_fsdp_saves_what_ddp_saves(tmp_path, mode):
     """Over 2 ranks, the full weights FSDP gathers for a forward are the parameters, not

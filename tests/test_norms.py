@@ -178,6 +178,7 @@ def test_a_norm_in_low_precision_is_a_mismatch():
     precision.close()
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fsdp_gathers_a_nets_own_layernorm_in_fp32(tmp_path):
     """FSDP bf16: the blocks' Linears gathered in bf16, the norms inside them in fp32 units."""
     run_ranks([(net_run("precision=bf16", "trainer.strategy=fsdp"), tmp_path)])

@@ -122,6 +122,7 @@ def test_fp16_master_keeps_fp16_weights_an_fp32_master_copy_and_accounts_for_it(
     assert summary["precision"] == "fp16_master" and summary["final_loss_scale"] > 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: make test stays under 10 minutes
 def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
     common = [
         *TINY_BERT,
@@ -139,6 +140,7 @@ def test_fp16_master_trains_bert_to_a_loss_close_to_fp32(tmp_path):
     assert master["skipped_steps"] == 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: make test stays under 10 minutes
 def test_every_mode_appears_in_one_comparison_like_any_other(tmp_path):
     """staged, fp16_master, and the frontier's fp8, mxfp8, nvfp4, mxfp4 and bf16_true in one sweep
     with fp32 and bf16. The rows that converted Linears say which share of the step's FLOPs ran in

@@ -21,6 +21,7 @@ STEPS = [
 ]
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fsdp_trains_like_ddp_in_bf16_and_reduce_dtype_is_honoured(tmp_path):
     """BERT has LayerNorms inside its shard units and word embeddings tied to the MLM decoder:
     FSDP keeps both fp32 as autocast does under DDP, so the two strategies agree to rounding."""
@@ -62,6 +63,7 @@ def record_all_reduces(rank: int) -> Callable[[], dict]:
     return figures
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fp16_master_averages_its_fp32_gradients_over_ranks(tmp_path):
     """fp16_master is not DDP-wrapped: it averages its fp32 master gradients itself, once per
     window, all of them flattened into one all-reduce (this model is far below a bucket).

@@ -69,6 +69,7 @@ def test_every_model_trains_in_every_precision(tmp_path, model, precision):
         assert 0 <= summary[METRIC[model]] <= 1
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: make test stays under 10 minutes
 def test_gpt_learns_the_generated_language(tmp_path):
     """The causal model learns: fp32, since learning is what is tested (bf16 and fp16 train every
     model above, and are emulated, and slow, on many CPUs)."""

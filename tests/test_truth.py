@@ -166,6 +166,7 @@ def test_state_in_another_dtype_than_asked_is_a_mismatch():
     ]
 
 
+@pytest.mark.slow  # starts two ranks: make test runs one process a test (make test-slow, CI)
 def test_fsdp_gathers_blocks_in_bf16_and_ddp_reduces_as_asked(tmp_path):
     """FSDP bf16: fp32 shards; the blocks' Linears gathered in bf16, their LayerNorms and the
     root's head in fp32, as each unit's MixedPrecisionPolicy says. DDP with reduce_dtype=bf16:
