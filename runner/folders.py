@@ -242,7 +242,12 @@ def _sweep_dir() -> Path | None:
 def current_sweep() -> str | None:
     """The id of the sweep this job runs in (its sweep folder's sweep.json), or None."""
     sweep = _sweep_dir()
-    return read_record(sweep, SWEEP_RECORD).get("id") if sweep else None
+    return sweep_id(sweep) if sweep else None
+
+
+def sweep_id(sweep_dir: Path) -> str | None:
+    """The id of the sweep `sweep_dir` holds (its sweep.json), or None."""
+    return read_record(sweep_dir, SWEEP_RECORD).get("id")
 
 
 def rerun_key(override: str) -> bool:

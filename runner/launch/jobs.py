@@ -86,7 +86,7 @@ def read_back(job: SweepJob, quiet: bool = False) -> JobReturn | None:
     summary = finished_summary(job.folder, job.config.trainer.max_steps)
     if summary is None:
         return None
-    sweep_folder.adopt(job.folder, folders.current_sweep())  # a job of this sweep, not run again
+    sweep_folder.adopt(job.folder, _sweep_of(job))  # a job of this sweep, not run again
     if not quiet:
         say(f"{job.label}: completed before ({job.folder}/summary.json): read back, not run again")
     return JobReturn(
@@ -124,5 +124,13 @@ def record(job: SweepJob, launcher: str, state: str, why: str, **more) -> None:
         task = OmegaConf.masked_copy(job.config, [k for k in job.config if k != "hydra"])
         write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(task))
         write_text(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(job.overrides)))
-    seen = {"launcher": launcher, "state": state, "why": why, "sweep": folders.current_sweep()}
+    seen = {"launcher": launcher, "state": state, "why": why, "sweep": _sweep_of(job)}
     write_text(job.folder / LAUNCHER_RECORD, json.dumps(seen | more) + "\n")
+
+
+def _sweep_of(job: SweepJob) -> str | None:
+    """The id of the sweep the job is part of: from its composed config where the launcher
+    holds it (the launcher's process has no job config of Hydra's to ask), else Hydra's."""
+    if "hydra" in job.config:
+        return folders.sweep_id(Path(str(job.config.hydra.sweep.dir)))
+    return folders.current_sweep()
