@@ -75,6 +75,12 @@ def hold(folder: Path) -> None:
             f"{folder} is in use by {holder}: wait for it to end (or stop it), or give this "
             "command a folder of its own"
         ) from None
+    except OSError as e:  # a file system without locks (some network mounts): said, not fatal
+        from runner import console
+
+        console.say(
+            f"[yellow]warning:[/] {folder}: no lock here ({e.strerror}): one command at a time"
+        )
     os.ftruncate(fd, 0)
     program = "python -m runner" if sys.argv[0].endswith("__main__.py") else Path(sys.argv[0]).name
     command = clip(" ".join([program, *sys.argv[1:]]), 160)

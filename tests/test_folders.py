@@ -231,3 +231,18 @@ def test_every_run_output_file_goes_through_the_whole_file_writer():
         if ".write_text(" in line or ".write_bytes(" in line
     ]
     assert direct == [], direct
+
+
+def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Some network mounts refuse flock (ENOLCK): the run goes on, and says it holds no lock."""
+    import errno
+
+    from runner import folders
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(folders.fcntl, "flock", no_locks)
+    assert run(make_cfg(*STEPS, "trainer.max_steps=1"), tmp_path)["status"] == "completed"
+    said = " ".join(capsys.readouterr().err.split())
+    assert "no lock here (No locks available): one command at a time" in said
