@@ -167,24 +167,15 @@ def test_a_job_whose_resolved_values_changed_is_refused_and_fails_the_sweep(tmp_
     config file alike): each job's own check refuses it before it writes anything, and the
     sweep's end names it and exits 2, whatever launcher ran it."""
     args = ["precision=fp32,bf16", "seed=${oc.env:SWEEP_SEED}", "trainer.max_steps=6", *launcher]
-    first = cli(
-        "-m",
-        *SMALL,
-        *args,
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        cwd=tmp_path,
-        env=ENV | {"SWEEP_SEED": "1"},
-    )
+
+    def sweep_with(seed: str) -> subprocess.CompletedProcess:
+        sweep = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+        return cli("-m", *SMALL, *args, sweep, cwd=tmp_path, env=ENV | {"SWEEP_SEED": seed})
+
+    first = sweep_with("1")
     assert first.returncode == 0, first.stderr[-3000:]
     before = snapshot(tmp_path / "sweep" / "0")
-    again = cli(
-        "-m",
-        *SMALL,
-        *args,
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        cwd=tmp_path,
-        env=ENV | {"SWEEP_SEED": "2"},
-    )
+    again = sweep_with("2")
     assert again.returncode == 2, again.stderr[-3000:]
     err = " ".join(again.stderr.split())
     assert "error: job 0: " in err and "error: job 1: " in err and "seed=2 (it ran: 1)" in err

@@ -95,9 +95,9 @@ def test_the_same_jobs_in_new_job_folders_are_not_counted_as_more_seeds(tmp_path
 
 
 def test_a_finished_run_is_not_relabelled_by_resume_across_precision(tmp_path):
-    """A completed fp32 run, rerun with precision=bf16 trainer.resume_across_precision=true:
-    "the run had finished; its summary.json stands", exit 0, but .hydra/config.yaml and
-    run.json now say bf16 while summary.json is the fp32 run's."""
+    """A completed fp32 run, rerun with precision=bf16 trainer.resume_across_precision=true
+    (nothing runs: "the run had finished"): its record must keep saying fp32, as its
+    summary.json does (it used to be relabelled bf16)."""
     folder = tmp_path / "run"
     first = run_cli(tmp_path, "trainer.max_steps=10", f"hydra.run.dir={folder}")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -120,8 +120,8 @@ def test_a_finished_run_is_not_relabelled_by_resume_across_precision(tmp_path):
 
 def test_a_single_run_in_a_sweep_job_folder_keeps_the_job_in_its_sweep(tmp_path):
     """`hydra.run.dir=<sweep>/0 trainer.resume=auto` with the job's own values (to see it, or
-    while the sweep still runs) is accepted and rewrites run.json's sweep to null: the job
-    leaves its sweep, and the comparison drops the fp32 baseline ("not part of this sweep")."""
+    while the sweep still runs) is accepted and must leave the job in its sweep (it used to set
+    run.json's sweep to null, and the comparison dropped the fp32 baseline)."""
     sweep = tmp_path / "sweep"
     first = run_cli(
         tmp_path, "-m", "precision=fp32,bf16", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}"
