@@ -16,9 +16,9 @@ from runner.compare import CompareCallback
 from runner.config.commandline import (
     informational,
     is_multirun,
+    normalized,
     seed_round,
     sweep_keys,
-    with_seeds,
 )
 from runner.config.preflight import preflight
 from runner.errors import Preempted, UserError, fail, first_line
@@ -28,7 +28,10 @@ from runner.tracking import SWEEP_KEYS_ENV
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def job(cfg: DictConfig) -> float | None:
     from runner.run import run  # heavy imports after the command line is known to be good
+    from runner.train.preemption import run_begins
 
+    stop_here("before job {num} started")  # a signal at an auto sweep's look
+    run_begins()
     try:
         final_loss = run(cfg)["final_loss"]
         stop_here()
@@ -57,10 +60,11 @@ def job(cfg: DictConfig) -> float | None:
         return None
 
 
-def stop_here() -> None:
-    """A signal that came as the job completed (in its last step, its evaluation, its summary):
-    where this process goes on to the sweep's next job (the basic launcher), the sweep stops
-    there, exit 75, as if it had come a moment later. Elsewhere the job's process ends anyway."""
+def stop_here(when: str = "as job {num} completed") -> None:
+    """A signal that came as the job completed (in its last step, its evaluation, its summary),
+    or between jobs (`when`): where this process goes on to the sweep's next job (the basic
+    launcher), the sweep stops there, exit 75, as if it had come a moment later. Elsewhere the
+    job's process ends anyway."""
     from runner.train.distributed import from_env
     from runner.train.preemption import hand_on, late
 
@@ -68,10 +72,8 @@ def stop_here() -> None:
     in_process = os.getpid() == SWEEP_PID and not from_env().enabled  # ranks decide together
     if name is None or HydraConfig.get().mode != RunMode.MULTIRUN or not in_process:
         return
-    num = HydraConfig.get().job.num
-    print(
-        f"{name} as job {num} completed: the sweep stops here; {how_to_continue()}", file=sys.stderr
-    )
+    said = when.format(num=HydraConfig.get().job.num)
+    print(f"{name} {said}: the sweep stops here; {how_to_continue()}", file=sys.stderr)
     hand_on(name)
     sys.exit(Preempted.exit_code)
 
@@ -96,6 +98,24 @@ def absolute_sweep_dir(arg: str) -> str:
     return f"{key}={Path(value).absolute()}"
 
 
+def stop_between(args: list[str], sweep_dir: str) -> None:
+    """A signal at an auto sweep's look (runner/train/preemption.py's between_jobs noted it):
+    the sweep stops before its next round, exit 75, saying how to continue it."""
+    from runner.train.preemption import hand_on, late
+
+    if (name := late()) is None:
+        return
+    named = any(a.startswith("hydra.sweep.dir=") for a in args)
+    again = "" if named else f" with hydra.sweep.dir={sweep_dir}"
+    print(
+        f"{name} at the sweep's look: the sweep stops here; continue the sweep: run the same "
+        f"command{again}",
+        file=sys.stderr,
+    )
+    hand_on(name)
+    sys.exit(Preempted.exit_code)
+
+
 SWEEP_PID = os.getpid()  # the process that runs the command (and a basic sweep's every job)
 
 
@@ -103,7 +123,8 @@ def main() -> None:
     args = sys.argv[1:]
     console.quiet_torchao()  # checking the command line imports the tasks, and so torchao
     try:
-        args = sys.argv[1:] = with_seeds(args)  # runner.seeds=N: a seed sweep Hydra runs
+        # precision.autopilot=true: its .enabled; runner.seeds=N: a seed sweep Hydra runs
+        args = sys.argv[1:] = normalized(args)
         preflight(args)
         if is_multirun(args) and not informational(args):
             # Each job's W&B name and group carry its swept values: the keys travel in the jobs'
@@ -125,11 +146,15 @@ def main() -> None:
         job()
         # runner.seeds=auto: one more seed for the rows still undecided, until none is
         while CompareCallback.next_round:
-            seed, keep, sweep_dir = CompareCallback.next_round
+            seed, blocks, sweep_dir = CompareCallback.next_round
             CompareCallback.next_round = None
             CompareCallback.ran.add(seed)
-            sys.argv[1:] = [*seed_round(args, seed, keep, sweep_dir), *launch]
-            job()
+            lines = seed_round(args, seed, blocks, sweep_dir)
+            for k, line in enumerate(lines):  # a multirun a block; the look after the last
+                stop_between(args, sweep_dir)
+                CompareCallback.deferred = k < len(lines) - 1
+                sys.argv[1:] = [*line, *launch]
+                job()
     finally:
         distributed.close(ranks)
     if CompareCallback.refused:

@@ -59,6 +59,29 @@ def _known(value) -> bool:
     return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
+_PHASES = {  # summary.json's `wall_time` (runner/train/wall_time.py), as printed
+    "startup_s": "startup",
+    "audited_step_s": "audited step",
+    "warmup_steps_s": "warm-up",
+    "steady_steps_s": "steady steps",
+    "evaluation_s": "evaluation",
+    "checkpoints_s": "checkpoints",
+    "logging_s": "logging",
+    "teardown_s": "teardown",
+}
+
+
+def wall_time_words(wall: dict) -> str:
+    """ "142 s: startup 12.1 s (imports 5.0 s) · audited step 3.2 s · ...": the phases over 0.05 s."""
+    parts = []
+    for key, name in _PHASES.items():
+        if _known(wall.get(key)) and wall[key] >= 0.05:
+            imports = (wall.get("startup_parts") or {}).get("imports_s") or 0
+            more = f" (imports {imports:.1f} s)" if key == "startup_s" and imports >= 0.05 else ""
+            parts.append(f"{name} {wall[key]:.1f} s{more}")
+    return f"{wall.get('total_s', math.nan):.1f} s: " + " · ".join(parts)
+
+
 def _summary_rows(s: dict) -> list[tuple[str, str]]:
     """The lines a person reads first, each only where the run measured it."""
     rows = []
@@ -88,6 +111,8 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             speed.append(f"{s['tokens_per_s']:,.0f} tokens/s")
         if _known(s.get("step_time_s")):
             speed.append(f"step {s['step_time_s'] * 1000:.1f} ms")
+        if s.get("speed_contended"):  # runner/train/speed.py: said, and untested
+            speed.append(f"contended: {(s.get('contention') or {}).get('words')} — untested")
         rows.append(("speed", " · ".join(speed)))
     elif s.get("speed_note"):
         rows.append(("speed", "untested"))
@@ -98,6 +123,8 @@ def _summary_rows(s: dict) -> list[tuple[str, str]]:
             else ""
         )
         rows.append(("MFU", f"{s['mfu']:.2%}{peak}"))
+    if isinstance(s.get("wall_time"), dict):
+        rows.append(("wall time", wall_time_words(s["wall_time"])))
     if s.get("precision"):
         requested = s.get("precision_requested")
         asked = f" (asked: {requested})" if requested and requested != s["precision"] else ""

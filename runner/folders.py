@@ -22,7 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import UserError, clip
 from runner.files import read_json, remove_stale, write_text
-from runner.train.resume_check import RERUN_KEYS, unapplied
+from runner.train.resume_check import (
+    RECIPE_DIGEST,
+    RERUN_KEYS,
+    recipe_digest,
+    recipe_edited,
+    unapplied,
+)
 
 LOCK, RUN_RECORD, SWEEP_RECORD = ".lock", "run.json", "sweep.json"
 # Beside a job's run, how its launcher saw it end (runner/launch/jobs.py): its state (COMPLETED,
@@ -131,7 +137,8 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, r
     if holds_run(folder):
         saved = record.get("config") or (state.get("config") if own else None)
         converts = cfg.trainer.resume_across_precision and not finished  # a finished run: never
-        changed = unapplied(saved, cfg, ("precision",) if converts else ())
+        free = ("precision",) if converts else ()
+        changed = unapplied(saved, cfg, free) + recipe_edited(record, cfg, free)
         if _global_batch(saved, record) == cfg.dataset.batch_size * ranks.world:
             # another number of ranks with the same global batch: the same run (a sharded
             # checkpoint reshards, a single file is dealt out: docs/reliability.md)
@@ -151,6 +158,7 @@ def admit(folder: Path, cfg: DictConfig, resume: tuple | None, finished: bool, r
         (folder / LAUNCHER_RECORD).unlink(missing_ok=True)  # an earlier attempt's end: stale
         write_hydra_files(folder, cfg)
         mine |= {"config": OmegaConf.to_container(cfg, resolve=True), "world_size": ranks.world}
+        mine[RECIPE_DIGEST] = recipe_digest(cfg)
         write_text(folder / RUN_RECORD, json.dumps(record | mine, indent=1) + "\n")
     return run_id
 

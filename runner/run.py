@@ -3,7 +3,6 @@ notebooks call it; it leaves no global state behind for the next run in the same
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from runner.answers.inference import evaluate_precisions
 from runner.build import build, seed_everything
 from runner.config.validation import validate
 from runner.errors import Preempted, UserError, first_line
-from runner.measure import manifest, truth
+from runner.measure import autopilot_report, manifest, truth
 from runner.measure.flops import emulation_slowdown, utilisation
 from runner.measure.health import fp4_health, fp16_health
 from runner.measure.manifest_table import report as report_manifest
@@ -28,17 +27,9 @@ from runner.summary_aliases import with_aliases
 from runner.tracking import RunLog, finished_summary, open_tracker
 from runner.train import checkpoint, distributed, preemption
 from runner.train.optim import build_optimizers
+from runner.train.threads import Threads
 from runner.train.trainer import Trainer
-
-
-def cap_threads() -> None:
-    """Parallel local jobs (joblib launcher) share the cores: oversubscribed BLAS threads spin
-    and slow every job many times over, so each job gets its share."""
-    if HydraConfig.initialized():
-        n_jobs = HydraConfig.get().launcher.get("n_jobs")
-        if n_jobs:
-            cores = os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // (cores if n_jobs < 0 else n_jobs)))
+from runner.train.wall_time import WallClock
 
 
 def output_dir(explicit: str | Path | None) -> Path:
@@ -53,6 +44,7 @@ def output_dir(explicit: str | Path | None) -> Path:
 def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     """Train as `cfg` says; write metrics.jsonl, summary.json and checkpoints/ to the run
     directory; return the summary. A failed run still leaves a summary.json that says why."""
+    clock = WallClock()  # where its wall time goes: summary.json's `wall_time`
     validate(cfg)
     ranks = distributed.init()
     console.console.quiet = not ranks.main  # one voice: rank 0's
@@ -60,12 +52,12 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
     console.log_loader_noise()  # torchao's import noise, kept off the console, into <job>.log
     folders.claim(out, ranks.main)  # one writer: this process, until the run returns
     try:
-        return _run(cfg, out, ranks)
+        return _run(cfg, out, ranks, clock)
     finally:
         folders.release(out)
 
 
-def _run(cfg: DictConfig, out: Path, ranks) -> dict:
+def _run(cfg: DictConfig, out: Path, ranks, clock: WallClock) -> dict:
     resume = _resume_point(cfg, out)
     state = resume[1] if resume else None
     # a requeued job whose run had finished: its summary stands, and it ends at once
@@ -89,15 +81,18 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
     )
     summary: dict = {"status": "running"}
     precision = trainer = None
+    threads = Threads()  # what other processes take of the cores is read from here
     try:
         signals = preemption.setup_begins()  # from here to training: a signal stops it at once
         device = distributed.device_for(ranks, resolve_device(cfg.trainer.device))
         caps = DeviceCaps.probe(device)
         precision = _precision(cfg, device, caps, ranks)
         summary |= _device_facts(precision, device, caps)
-        cap_threads()
-        summary |= _before_training(cfg, out, state, device, ranks)
-        trainer, plan = _trainer(cfg, precision, device, ranks, log, summary)
+        summary |= threads.fit(cfg.trainer.cpu_threads, device)
+        with clock.part("answers_before_training"):
+            summary |= _before_training(cfg, out, state, device, ranks)
+        with clock.part("build"):
+            trainer, plan = _trainer(cfg, precision, device, ranks, log, summary)
         if state is not None:
             trainer.load_state_dict(state)
             console.say(f"resumed from {resume[0]} at step {trainer.step}")
@@ -107,6 +102,7 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
         summary |= _measurements(cfg, trainer, precision, caps, summary)
         summary |= _after_training(cfg, trainer, precision, plan, log, ranks, summary)
         summary["status"] = "completed"
+        summary["wall_time"] = clock.breakdown(trainer.meter)
     except BaseException as e:
         status, code = {
             KeyboardInterrupt: ("interrupted", 130),
@@ -115,9 +111,11 @@ def _run(cfg: DictConfig, out: Path, ranks) -> dict:
         summary |= {"status": status, "error": first_line(e)}
         if trainer is not None:
             summary["steps"] = trainer.step
+        summary["wall_time"] = clock.breakdown(trainer and trainer.meter)  # to its stop
         log.finish(summary, exit_code=code)
         raise
     finally:
+        threads.restore()
         if precision is not None:
             precision.close()
     log.finish(summary)
@@ -287,6 +285,8 @@ def _after_training(cfg, trainer: Trainer, precision, plan, log, ranks, summary:
     found |= {"precision_manifest": held, "plan_held": held["plan_held"]}
     report_manifest(held, log)
     found |= trainer.errors.report(log)  # each matmul's error: summary.json's, the tracker's
+    if ranks.main:  # what precision.autopilot did, and the recipe it ended with
+        found |= autopilot_report.report(trainer, precision, log)
     if cfg.runner.project and ranks.main:  # estimates for GPUs it did not run on (issue 33)
         from runner.answers.projection import projection_for_run, show
 

@@ -33,3 +33,11 @@ def converted_section(summary: dict) -> dict:
         return {}
     new_keys = {old_key: key for key, old_key in OLD_KEYS.items()}
     return {new_keys.get(k, k): v for k, v in old.items()}
+
+
+def converted_share(summary: dict):
+    """fp8, mxfp8, nvfp4, mxfp4: the share of a step's FLOPs its converted Linears computed in the
+    mode's format; under precision.autopilot, over the run's steps, its switches included."""
+    if isinstance(pilot := summary.get("autopilot"), dict):
+        return pilot.get("low_flop_share")
+    return converted_section(summary).get("converted_flop_share")

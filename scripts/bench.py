@@ -3,10 +3,16 @@
 1. The precision table: the runner's training steps (through `Trainer.fit`, as a run takes them)
    in fp32, tf32, fp16 and bf16 for BERT, ResNet and GPT: samples/s and the speedup over fp32
    (plus peak memory on CUDA).
-2. Runner against a bare loop: the runner through `Trainer.fit` against the textbook loop
-   (autocast → loss / targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same
-   model, initial weights and data (both load their batches through the data's loader), fp32
-   and bf16; with `--compile`, each side's count of compiled graphs.
+2. Runner against a bare loop, two ways, fp32 and bf16, each said for what it is. Steady steps
+   in one process: the runner through `Trainer.fit` against the textbook loop (autocast → loss /
+   targets → backward → clip_grad_norm_ → AdamW step → zero_grad) on the same model, initial
+   weights and data (both load their batches through the data's loader); with `--compile`, each
+   side's count of compiled graphs. Whole runs: `python -m runner` against a bare script, each
+   as a process of its own, at two lengths (`--lengths`), whose difference cancels each side's
+   fixed costs (imports, building, the audited step, the last checkpoint) and leaves the steps
+   with what each pays per step (the runner's logging included; no evaluation on either side).
+   Every timing records what it got of the machine (runner/measure/contention.py); a contended
+   round is timed again, and one that stays contended is counted in the table.
 3. fp16_master's own gradient averaging over 2 gloo ranks (it is not DDP-wrapped): its buckets
    (one foreach add per micro-batch, one all-reduce per bucket) against one blocking all-reduce
    per gradient tensor and a Python loop of add_, as it was. Each timing is the runner's whole
@@ -19,12 +25,14 @@
 
 Rounds interleave the variants (and alternate their order) so that drift on a shared machine hits
 all alike; each timing is `--warmup` untimed steps, then `--steps` timed ones. Figures are
-medians over rounds; ratios are medians of per-round ratios (pairs timed back to back). The
+medians over rounds; ratios are per-round ratios (pairs timed back to back) in a geometric
+mean that weights each order alike (runner/compare/stats.py's round_ratio). The
 runner's side is timed by runner/compare/interleave.py, as the comparison's runner.speed=interleaved is.
 
     python scripts/bench.py                       # the first two parts, in one process
     python scripts/bench.py --part table --models bert --compile
     python scripts/bench.py --part ratio --steps 50 --rounds 5 model.num_hidden_layers=2
+    python scripts/bench.py --part runs --lengths 20,120 --rounds 3
     python scripts/bench.py --part reduce --rounds 5 precision.reduce_dtype=bf16
     python scripts/bench.py --part kernels
 
@@ -36,10 +44,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import json
 import multiprocessing
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -57,9 +67,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner
 from runner import console
-from runner.compare.interleave import alternate, time_configs
-from runner.compare.stats import median_ratio, quartiles
+from runner.compare.interleave import alternate, clean_rounds, time_configs
+from runner.compare.stats import quartiles, round_ratio
 from runner.config.validation import validate
+from runner.measure.contention import Window
 from runner.precision import DeviceCaps, Precision, master, plan, reduce
 from runner.precision.caps import resolve_device
 from runner.run import build, run, seed_everything
@@ -67,6 +78,7 @@ from runner.task import Batch, DataModule, Task
 from runner.train.optim import build_optimizers
 from runner.train.session import prepared, trainer_timer, workspace
 from runner.train.telemetry import compile_counts
+from runner.train.threads import Threads
 
 OVERRIDES = [
     "model=bert",
@@ -81,7 +93,7 @@ OVERRIDES = [
 MODES = ("fp32", "bf16")  # the bare loop has no GradScaler, and tf32 is a global switch
 
 Step = Callable[[Batch], object]
-Timer = Callable[[], float]  # one timing: samples/s
+Timer = Callable[[], dict]  # one timing: samples_per_s, speed_contended, cpu_share
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -110,9 +122,10 @@ def bare_step(task: Task, mode: str, device: torch.device, lr: float) -> Step:
 
 def samples_per_s(
     step: Step, data: DataModule, warmup: int, steps: int, device: torch.device
-) -> float:
+) -> dict:
     """The bare loop: runs `warmup` untimed steps, then times `steps` more; its batches come from
-    the data's loader as the runner's do, so both sides pay for loading."""
+    the data's loader as the runner's do, so both sides pay for loading. Returns samples_per_s
+    and what the timing got of the machine (`speed_contended`, `cpu_share`)."""
     batches = iter(data.train_loader())
 
     def sync() -> None:
@@ -122,11 +135,114 @@ def samples_per_s(
     for _ in range(warmup):
         step(next(batches))
     sync()
-    start = time.perf_counter()
+    start, window = time.perf_counter(), Window(device)
     for _ in range(steps):
         step(next(batches))
     sync()
-    return data.batch_size * steps / (time.perf_counter() - start)
+    rate, got = data.batch_size * steps / (time.perf_counter() - start), window.read()
+    return {"samples_per_s": rate, "speed_contended": got["contended"], **_share(got)}
+
+
+def _share(got: dict) -> dict:
+    return {"cpu_share": got.get("cpu_share")}
+
+
+def _runner_timing(summary: dict) -> dict:
+    """A `Trainer.fit` timing's summary as the bare loop's: its speed and what it got."""
+    share = _share(summary.get("contention") or {})
+    return {"samples_per_s": summary["samples_per_s"], **share} | {
+        "speed_contended": summary["speed_contended"]
+    }
+
+
+def _bare_run(args) -> None:
+    """A whole bare run, as a process of its own (`--bare-run N`): the imports, the model and
+    data built as a run builds them, N steps of the bare loop; prints its speed as JSON."""
+    mode = args.precisions
+    cfg = compose_config(args.overrides)
+    torch.set_num_threads(cfg.trainer.cpu_threads or torch.get_num_threads())
+    device = resolve_device(cfg.trainer.device)
+    seed_everything(cfg.seed)
+    data, task = build(cfg)
+    task.to(device)
+    print(
+        json.dumps(
+            samples_per_s(bare_step(task, mode, device, 1e-4), data, 0, args.bare_run, device)
+        )
+    )
+
+
+def _whole_run(side: str, mode: str, steps: int, args, folder: Path) -> dict:
+    """One whole run in a process of its own: its wall time, and whether it was contended."""
+    threads = f"trainer.cpu_threads={torch.get_num_threads()}"  # the same on both sides
+    overrides = [*OVERRIDES, *args.overrides, threads, f"trainer.max_steps={steps}"]
+    if side == "runner":
+        overrides += ["trainer.val_check_interval=0", "trainer.progress_bar=false", "logger=none"]
+        command = [sys.executable, "-m", "runner", f"precision={mode}", *overrides]
+        command.append(f"hydra.run.dir={folder}")
+    else:
+        command = [sys.executable, __file__, "--bare-run", str(steps), "--precisions", mode]
+        command += [*args.overrides, threads, f"trainer.max_steps={steps}"]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=folder.parent)
+    took = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{side} {mode} {steps} steps failed: {done.stderr[-2000:]}")
+    if side == "runner":
+        got = json.loads((folder / "summary.json").read_text())
+        shutil.rmtree(folder)
+    else:
+        got = json.loads(done.stdout.splitlines()[-1])
+    said = " (contended)" if got["speed_contended"] else ""
+    print(f"{side:<6} {mode:<5} {steps:>4} steps: {took:6.1f} s{said}", flush=True)
+    return {"wall_s": took, "speed_contended": got["speed_contended"]}
+
+
+def whole_runs(args) -> None:
+    """The runner against the bare loop by whole runs of two lengths (`_whole_run`), alternated
+    round by round: per step, the difference of the two lengths' wall times over their steps."""
+    modes = [m for m in args.precisions.split(",") if m in MODES]
+    short, long = sorted(int(n) for n in args.lengths.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        timers = {
+            (mode, side, n): functools.partial(
+                _whole_run, side, mode, n, args, Path(tmp) / f"{mode}-{side}-{n}"
+            )
+            for mode in modes
+            for side in ("runner", "bare")
+            for n in (short, long)
+        }
+        timings, redone = clean_rounds(timers, args.rounds)
+    contended = sum(
+        any(v[r]["speed_contended"] for v in timings.values()) for r in range(args.rounds)
+    )
+    print(
+        f"\nwhole runs, each a process of its own (`python -m runner`, no evaluation, against a "
+        f"bare script): {short} and {long} steps; per step: the difference of their wall times "
+        f"over {long - short} steps, the fixed costs cancelled; medians over {args.rounds} "
+        f"rounds; {redone} contended rounds timed again, {contended} still contended\n"
+    )
+    print(
+        f"{'precision':<10} {'runner ms/step':>15} {'bare ms/step':>13} {'runner/bare':>12} "
+        f"{'runner fixed s':>15} {'bare fixed s':>13}"
+    )
+    for mode in modes:
+        per_step, fixed = {}, {}
+        for side in ("runner", "bare"):
+            walls = [
+                (a["wall_s"], b["wall_s"])
+                for a, b in zip(timings[mode, side, short], timings[mode, side, long], strict=True)
+            ]
+            per_step[side] = [(b - a) / (long - short) for a, b in walls]
+            fixed[side] = statistics.median(
+                a - short * t for (a, _), t in zip(walls, per_step[side], strict=True)
+            )
+        ratio = round_ratio([1 / t for t in per_step["runner"]], [1 / t for t in per_step["bare"]])
+        print(
+            f"{mode:<10} {statistics.median(per_step['runner']) * 1e3:>15.1f} "
+            f"{statistics.median(per_step['bare']) * 1e3:>13.1f} {ratio:>12.3f} "
+            f"{fixed['runner']:>15.1f} {fixed['bare']:>13.1f}"
+        )
 
 
 def runner_vs_bare(args) -> None:
@@ -148,7 +264,7 @@ def runner_vs_bare(args) -> None:
             if args.compile:
                 bare_task.compile()
             bare = bare_step(bare_task, mode, device, cfg.optim.optimizer.lr)
-            timers[mode, "runner"] = lambda fit=fit: fit()["samples_per_s"]
+            timers[mode, "runner"] = lambda fit=fit: _runner_timing(fit())
             timers[mode, "bare"] = lambda bare=bare: samples_per_s(
                 bare, data, args.warmup, args.steps, device
             )
@@ -161,14 +277,15 @@ def runner_vs_bare(args) -> None:
             timer()
             graphs[key] = compile_counts()[0] - before
 
-        def say(r: int, key: tuple[str, str], rate: float) -> None:
-            print(f"round {r + 1}/{args.rounds}  {key[0]:<5} {key[1]:<7} {rate:7.1f} samples/s")
-
-        results = alternate(timers, args.rounds, say)
+        timings, redone = clean_rounds(timers, args.rounds)
+    results = {k: [t["samples_per_s"] for t in v] for k, v in timings.items()}
+    contended = sum(
+        any(v[r]["speed_contended"] for v in timings.values()) for r in range(args.rounds)
+    )
 
     def median(a: tuple[str, str], b: tuple[str, str] | None = None) -> float:
-        """Median samples/s of `a`, or with `b`, the median of the per-round ratios a/b."""
-        return statistics.median(results[a]) if b is None else median_ratio(results[a], results[b])
+        """Median samples/s of `a`, or with `b`, the ratio a/b over the rounds (round_ratio)."""
+        return statistics.median(results[a]) if b is None else round_ratio(results[a], results[b])
 
     params = sum(p.numel() for p in task.parameters())
     shape = ", ".join(f"{k}={v}" for k, v in cfg.model.items() if k != "_target_")
@@ -181,8 +298,9 @@ def runner_vs_bare(args) -> None:
     print(f"data: {', '.join(f'{k}={v}' for k, v in data.describe().items())}")
     print(f"precision: {'; '.join(notes)}")
     print(
-        f"{args.steps} timed steps after {args.warmup} warm-up per timing; medians over "
-        f"{args.rounds} rounds (ratios: median of per-round ratios)\n"
+        f"steady steps in one process: {args.steps} timed steps after {args.warmup} warm-up per "
+        f"timing; medians over {args.rounds} rounds (ratios: per-round ratios, each order "
+        f"weighted alike); {redone} contended rounds timed again, {contended} still contended\n"
     )
     print(
         f"{'precision':<10} {'runner/s':>9} {'bare/s':>9} {'runner/bare':>12} "
@@ -398,14 +516,14 @@ def master_reduce(args) -> None:
     )
     print(
         f"{args.steps} timed steps after {args.warmup} warm-up per timing; medians over "
-        f"{args.rounds} rounds (ratio: median of per-round ratios)\n"
+        f"{args.rounds} rounds (ratio: per-round ratios, each order weighted alike)\n"
     )
     print(f"{'timing':<11} {'per-tensor ms':>14} {'bucketed ms':>12} {'per-tensor/bucketed':>20}")
     for part in ("step", "averaging"):
         old, new = figures[part, "per-tensor"], figures[part, "bucketed"]
         print(
             f"{part:<11} {statistics.median(old):>14.2f} {statistics.median(new):>12.2f} "
-            f"{median_ratio(old, new):>20.2f}"
+            f"{round_ratio(old, new):>20.2f}"
         )
 
 
@@ -495,8 +613,15 @@ def main() -> None:
     console.quiet_torchao()  # torchao's loader noise, which building the models triggers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=("both", "table", "ratio", "reduce", "kernels"), default="both"
+        "--part",
+        choices=("both", "table", "ratio", "steps", "runs", "reduce", "kernels"),
+        default="both",
+        help="ratio: the runner against the bare loop both ways (steps: in one process; runs: "
+        "whole runs of two lengths)",
     )
+    parser.add_argument("--lengths", default="20,120", help="the whole runs' two lengths")
+    parser.add_argument("--threads", type=int, help="torch's threads (default: the free cores)")
+    parser.add_argument("--bare-run", type=int, help=argparse.SUPPRESS)  # one whole bare run
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each timing")
     parser.add_argument("--rounds", type=int, default=3)
@@ -511,10 +636,18 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset.batch_size=32")
     args = parser.parse_args()
+    if args.bare_run:
+        return _bare_run(args)
+    # Threads that fit the cores other processes leave free, as a run takes them: on a shared
+    # machine, 2 threads with one core taken run many times slower than 1 (docs/performance.md)
+    Threads().fit(args.threads, torch.device("cpu"))
+    print(f"{torch.get_num_threads()} threads", flush=True)
     if args.part in ("both", "table"):
         precision_table(args)
-    if args.part in ("both", "ratio"):
+    if args.part in ("both", "ratio", "steps"):
         runner_vs_bare(args)
+    if args.part in ("both", "ratio", "runs"):
+        whole_runs(args)
     if args.part == "reduce":
         master_reduce(args)
     if args.part == "kernels":

@@ -121,7 +121,8 @@ BERT_MODES=fp32,tf32,fp16,bf16,fp8,bf16_true GPT2_MODES=bf16,fp8
 # No pip configuration either: the folder and nothing else (here the configuration names others).
 PIP_CONFIG_FILE=/dev/null step install 90 bash -c 'set -ex
   pip=("$1" -m pip install --no-index --find-links "$2" -c "$3")
-  "${pip[@]}" "hydra-core>=1.3" "omegaconf>=2.3" "datasets>=2.19" torchao==0.18.0 "pytest>=8"
+  "${pip[@]}" "hydra-core>=1.3" "omegaconf>=2.3" "datasets>=2.19" torchao==0.18.0 "pytest>=8" \
+    pytest-codeblocks==0.18.0  # tests/docs: the gpu blocks of the docs run in step 3
   "${pip[@]}" --no-deps -e .
   "$1" -m pip list | grep -Ei "^(torch|torchao|transformers|datasets|hydra-core|omegaconf|pyarrow) "
   ' install "$PY" "$WHEELS" "$WORK/torch-pin.txt"

@@ -35,6 +35,8 @@ WHEELS=(
   torchao==0.18.0
   # pytest where the image had none (the image's is kept if it has one)
   pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1
+  # the docs' gpu-marked blocks (tests/docs/test_docs_commands.py) are found by it
+  pytest-codeblocks==0.18.0
   # `pip install --no-index -e .` builds the project in an isolated env from this folder
   setuptools==84.2.1
 )

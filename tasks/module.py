@@ -30,14 +30,21 @@ PROBE_ITEMS = 64  # checked through the net before training: enough to meet most
 
 
 def blocks(net: nn.Module) -> list[nn.Module]:
-    """The net's repeated blocks: the children of its longest `nn.ModuleList` or `nn.Sequential`
-    (a transformer's layers, a CNN's stages), the outermost one on a tie. FSDP shards them one by
-    one; gradient checkpointing recomputes them."""
-    best: list[nn.Module] = []
-    for module in net.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > len(best):
-            best = list(module)
-    return best if len(best) > 1 else []
+    """The net's repeated blocks: the children of its `nn.ModuleList` or `nn.Sequential` of two
+    or more modules of one class that holds the most parameters (a transformer's layers, not a
+    layer's MLP; a CNN's residual blocks), the outermost one on a tie; in a net without one, the
+    children of its longest (an MLP's layers). FSDP shards them one by one; gradient
+    checkpointing recomputes them; keep_bf16 keeps its first and last."""
+    lists = [
+        m for m in net.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1
+    ]
+    alike = [m for m in lists if len({type(b) for b in m}) == 1 and _size(m)]
+    best = max(alike, key=_size) if alike else max(lists, key=len, default=[])
+    return list(best)
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _checkpointed(_block: nn.Module, forward, *args, **kwargs):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runner.measure.contention import THRESHOLD_ENV
 from runner.precision.caps import CPU_KIND_ENV, CPU_KINDS
 
 # Before anything imports datasets or wandb: they read these at import time.
@@ -27,10 +28,20 @@ os.environ.update(
 # result depends on the kind take the `cpu_kind` fixture and run under each. `AMP_RUNNER_CPU_KIND=
 # amx make test` runs the whole suite as that kind would (native: this machine's own).
 os.environ.setdefault(CPU_KIND_ENV, "avx2")
+# No run of the suite's is contended (runner/measure/contention.py): the suite shares its machine
+# (two workers, other jobs), and a contended run's speed and MFU are left out. The tests of
+# contention itself (tests/test_contention.py) set the real threshold.
+os.environ.setdefault(THRESHOLD_ENV, "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Tests in parallel (pytest -n N): one thread per worker and its subprocesses, or their
     # oversubscribed BLAS threads spin and slow every test many times over.
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # torch is imported above, before these are read: set its count too. One thread, so no
+    # run of the suite's takes fewer (runner/train/threads.py): a run and its reference loop
+    # compute in the same order, whatever else loads the machine.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(params=list(CPU_KINDS))

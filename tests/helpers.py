@@ -84,3 +84,12 @@ def unigram_entropy(data) -> float:
     )
     p = counts[counts > 0].double() / counts.sum()
     return float(-(p * p.log()).sum())
+
+
+def error_record(module, direction, sqnr, *, step=1, fmt="nvfp4", flushed=0.0) -> dict:
+    """One `matmul_error` record as summary.json holds it: operand a's flushed share `flushed`."""
+    operands = {"a": {"underflow": flushed}, "b": {"underflow": 0.0}}
+    return {"module": module, "direction": direction, "format": fmt, "sqnr_db": sqnr} | {
+        "operands": operands,
+        "step": step,
+    }

@@ -29,7 +29,7 @@ def _gpt(*overrides: str, width: int = 16, steps: int = 2, layers: int = 2) -> l
         "model=module",
         "model.net._target_=tests.test_own_model.TinyGPT",
         f"+model.net.width={width}",
-        f"+model.net.layers={layers}",  # more than the MLP's 3: its blocks are Task.shard_units
+        f"+model.net.layers={layers}",  # its blocks: Task.shard_units, however many
         "dataset.train._target_=tests.test_own_model.token_pairs",
         "dataset.batch_size=16",
         "model.loss=output",

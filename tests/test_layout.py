@@ -2,6 +2,8 @@
 file is over 300 lines and no class over 200. Read off the source, as a newcomer would."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,15 @@ def test_no_file_over_300_lines_and_no_class_over_200():
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200
     }
     assert not long_files and not long_classes
+
+
+def test_the_config_package_imports_light():
+    """The entry point checks a command line with runner.config before anything heavy loads
+    (runner/config/__init__.py): importing it loads neither torch nor the console. A schema that
+    imported runner.precision did both, and a spawned rank then made its console before its
+    COLUMNS was set (tests/test_distributed.py's wrapped lines)."""
+    code = (
+        "import sys, runner.config; print('torch' in sys.modules, 'runner.console' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout

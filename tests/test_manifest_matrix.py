@@ -123,7 +123,17 @@ def all_pairs(factors: list[list[str]], required: list[tuple] = ()) -> list[tupl
     return cells
 
 
-CELLS = all_pairs([MODES, FEATURES, MODELS], REQUIRED)
+# precision.autopilot (issue 48), after the covering array (it is left as it was): a cell per
+# converting mode, each on another model (GPT-2's Conv1D, Llama's RMSNorm), with a floor no unit
+# meets so that every unit moves at the first measured step; and its refusal outside them
+AUTOPILOT = [
+    ("fp8", "autopilot", "gpt2"),
+    ("mxfp8", "autopilot", "llama"),
+    ("nvfp4", "autopilot", "bert"),
+    ("mxfp4", "autopilot", "net"),
+    ("staged", "autopilot", "net"),
+]
+CELLS = all_pairs([MODES, FEATURES, MODELS], REQUIRED) + AUTOPILOT
 
 
 def refusal(mode: str, feature: str) -> str | None:
@@ -132,6 +142,8 @@ def refusal(mode: str, feature: str) -> str | None:
         return rf"precision.mode='{mode}' is invalid: with trainer.strategy=fsdp use precision="
     if feature == "auto_islands" and mode == "fp32":
         return "the fp32 islands search needs a low-precision mode: precision=fp32 computes in fp32"
+    if feature == "autopilot" and mode not in CONVERTING:
+        return rf"precision.autopilot.enabled=true is invalid with precision={mode}: the autopilot"
     if feature == "recipe" and mode not in CONVERTING:
         return (
             r"precision.recipe=.* is invalid: a recipe chooses formats per Linear in a converting"
@@ -351,6 +363,11 @@ def feature_overrides(feature: str, model: str, mode: str, folders) -> list[str]
             *(["+model.net.loud=true"] if model == "net" else []),
         ],
         "fp32_head": ["precision.fp32_head=true"],
+        "autopilot": [
+            "precision.autopilot.enabled=true",
+            "precision.autopilot.every_n_steps=1",
+            *([f"precision.autopilot.sqnr_floor_db.{mode}=1000"] if mode in CONVERTING else []),
+        ],
         "keep_bf16": [keep_bf16(mode)[0]],
         "eval_precisions": ["runner.eval_precisions=[bf16]"],
         "checkpointing": ["model.gradient_checkpointing=true"],
@@ -566,7 +583,7 @@ def test_the_matrix_covers_every_pair():
         seen = {(c[i], c[j]) for c in CELLS}
         assert not [p for p in itertools.product(a, b) if p not in seen], (i, j)
     assert len(set(CELLS)) == len(CELLS)
-    assert set(REQUIRED) <= set(CELLS)
+    assert set(REQUIRED + AUTOPILOT) <= set(CELLS)
 
 
 @pytest.mark.parametrize(
@@ -843,7 +860,30 @@ def check_recipe(cell, folders, out, monkeypatch) -> None:
     assert summary["converted"]["directions"][name][direction] == "bf16"
 
 
+def check_autopilot(cell, folders, out, monkeypatch) -> None:
+    """Every unit measured at step 1 under a floor it cannot meet: each converted Linear runs
+    its low format at step 1 and none of it at step 2, audited after the switch, the plan of
+    each step held (the manifest checks each stage against the plan in force at its step)."""
+    mode, _, model = cell
+    summary = run(make_cfg(*overrides(cell, folders)), out)
+    assert_manifest(summary)
+    converted = set(summary["converted"]["converted"])
+    assert converted and {s["step"] for s in summary["autopilot"]["switches"]} == {2}
+    assert {s["module"] for s in summary["autopilot"]["switches"]} == converted
+    steps = [s["step"] for s in summary["precision_manifest"]["stages"]]
+    assert steps == [1, 2], steps
+    for stage, low in zip(summary["precision_manifest"]["stages"], (True, False), strict=True):
+        formats = {
+            o["format"]
+            for name in converted
+            for o in stage["modules"][name]["ops"]
+            if o["direction"] != "recompute"
+        }
+        assert (mode in formats) == low, (stage["step"], formats)
+
+
 CHECKS = {
+    "autopilot": check_autopilot,
     "recipe": check_recipe,
     "freeze": check_freeze,
     "lora": check_lora,

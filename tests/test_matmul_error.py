@@ -5,6 +5,7 @@ and in the comparison."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from runner.measure.matmul_error import ErrorProbe, worst
+from runner.measure.error_table import worst
+from runner.measure.matmul_error import ErrorProbe
 from runner.precision.cpu_kernels import FastKernels
 from runner.run import run
 from tests.helpers import TINY_MLP, make_cfg
@@ -77,14 +79,16 @@ class Spike(nn.Module):
 
 
 def _fp8_errors(outlier: bool) -> list[dict]:
-    """Three tensorwise fp8 Linears (torchao's) under bf16 autocast, activations of scale 0.1;
+    """Three tensorwise fp8 Linears (torchao's, without biases: the forward figure is x·Wᵀ's own)
+    under bf16 autocast, activations of scale 0.1;
     the middle one's input has the outlier in a token outside the loss (its gradient zero, as a
     padded token's), so the outlier's own product adds nothing to the weight's gradient."""
     from torchao.float8 import convert_to_float8_training
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), Spike(outlier), nn.Linear(64, 64))
-    net.append(nn.Linear(64, 64))
+    linear = functools.partial(nn.Linear, 64, 64, bias=False)
+    net = nn.Sequential(linear(), nn.ReLU(), Spike(outlier), linear())
+    net.append(linear())
     convert_to_float8_training(net)
     x = torch.randn(64, 64) * 0.1
     dy = torch.randn(64, 64)

@@ -72,18 +72,7 @@ def net_run(*overrides: str, net: str = "OwnNormNet") -> list[str]:
 def llama(tmp_path_factory):
     """A tiny Llama (hidden 32, one layer, vocab 64) and a small local corpus."""
     folder = tmp_path_factory.mktemp("llama")
-    _tokenizer(folder)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_llama(folder)
     rng = random.Random(0)
     text = folder / "corpus.txt"
     text.write_text("\n".join(" ".join(rng.choices(NEUTRAL, k=30)) for _ in range(50)))
@@ -212,3 +201,20 @@ def test_the_rule_reads_what_a_module_holds():
     model[4].weight = nn.Parameter(torch.ones(4))  # a container with a 1-D parameter of its own
     assert norm_layers(model) == {model[0], model[1], model[4][0]}
     assert norm_layers(model, ["Line*"]) == {model[0], model[1], model[2], model[4][0]}
+
+
+def tiny_llama(folder) -> None:
+    """A tiny Llama (hidden 32, one layer, vocab 64) and its tokenizer, saved with
+    save_pretrained (the docs tests' supply makes the docs' Llama with it too)."""
+    _tokenizer(folder)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)

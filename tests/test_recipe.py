@@ -4,6 +4,8 @@ the manifest holds each converted Linear's directions to its rule; bad input is 
 before training."""
 
 import functools
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -98,8 +100,8 @@ def test_shorthands_give_the_manifest_of_their_recipe(tmp_path):
     [
         ("- {module: '*', forward: fp9}\n", "forward='fp9' is invalid: allowed: nvfp4, bf16, fp32"),
         ("- {module: '*', backward: bf16}\n", "'backward' is not a direction (allowed: forward"),
-        ("- {module: 'net.nothing.*', forward: bf16}\n", "'net.nothing.*' matches no module"),
-        ("- {class: 'Conv9d', forward: bf16}\n", "'Conv9d' matches no module's class"),
+        ("- {module: 'net.nothing.*', forward: bf16}\n", "'net.nothing.*' matches no Linear's"),
+        ("- {class: 'Conv9d', forward: bf16}\n", "'Conv9d' matches no Linear's class"),
         ("rules: [ {module: \n", "not YAML"),
         (None, "no such file"),
     ],
@@ -121,18 +123,18 @@ def test_recipe_rules_the_mode_cannot_take(tmp_path):
     """mxfp8 switches weight_grad alone; rowwise_with_gw_hp's weight gradient is bf16; a GPU
     without bf16 units refuses a rule's bf16; a recipe in a mode that converts nothing."""
     mixed = _write(tmp_path, "- {module: '*', forward: bf16}\n")
-    with pytest.raises(UserError, match="under mxfp8: torchao's MXFP8Linear"):
+    with pytest.raises(UserError, match="is invalid under mxfp8: torchao's MXFP8Linear"):
         recipe.load(mixed, "mxfp8")
     wg = _write(tmp_path, "- {module: '*', weight_grad: fp8}\n", "wg.yaml")
     with pytest.raises(UserError, match="weight_grad='fp8' is invalid: allowed: bf16"):
         recipe.load(wg, "fp8", "rowwise_with_gw_hp")
-    assert recipe.load(wg, "fp8")[0].formats == ("fp8", "fp8", "fp8")
+    assert recipe.load(wg, "fp8")[0][0].formats == ("fp8", "fp8", "fp8")
     old_gpu = SimpleNamespace(
         type="cuda", support=lambda f: (f == "fp32", "compute capability 7.0; bf16 needs ≥ 8.0")
     )
     with pytest.raises(UserError, match=r"rule 1 of .*: forward=bf16 cannot run natively here"):
-        recipe.runnable(recipe.load(mixed, "nvfp4"), old_gpu, allow_emulated=False)
-    recipe.runnable(recipe.load(mixed, "nvfp4"), old_gpu, allow_emulated=True)
+        recipe.runnable(recipe.load(mixed, "nvfp4")[0], old_gpu, allow_emulated=False)
+    recipe.runnable(recipe.load(mixed, "nvfp4")[0], old_gpu, allow_emulated=True)
     with pytest.raises(UserError, match="precision.recipe=.* a converting mode"):
         run(make_cfg(*TINY_MLP, "precision=bf16", f"precision.recipe={mixed}"), tmp_path / "x")
 
@@ -151,7 +153,9 @@ def test_mxfp8_switches_one_weight_grad_by_wgrad_with_hp(tmp_path):
     assert module in plain["converted"]["converted"] and module in ruled["converted"]["converted"]
     assert {k for k in before if before[k] != after.get(k)} == {(module, "weight_grad")}
     assert before[(module, "weight_grad")] == "mxfp8"
-    assert after[(module, "weight_grad")] in ("bf16", "fp32")  # fp32: cpu_kernels=fast's bf16
+    # fp32: torchao's wgrad_with_hp multiplies the input it is given, widened to fp32 (bf16's
+    # values under autocast; MXFP8._compute)
+    assert after[(module, "weight_grad")] == "fp32"
     assert after[(module, "forward")] == after[(module, "input_grad")] == "mxfp8"
     assert ruled["plan_held"] is True
     assert ruled["converted"]["directions"][module] == {
@@ -160,3 +164,156 @@ def test_mxfp8_switches_one_weight_grad_by_wgrad_with_hp(tmp_path):
         "weight_grad": "bf16",
     }
     assert read_metrics(tmp_path / "r")[-1]["loss"] != read_metrics(tmp_path / "plain")[-1]["loss"]
+
+
+# --- issue 46: every rule runs as written, or is one line ------------------------------------
+
+NATIVE = "precision.cpu_kernels=native"  # bf16 computes in bf16, told apart from fp32
+
+
+def test_a_default_restating_the_mode_decides_only_what_the_shorthands_leave(tmp_path):
+    """`default:` comes after the shorthands: restating nvfp4's own formats converts the same
+    3 of a 2-block TinyGPT's 9 Linears (keep_bf16.last's block 1 and skip=first/last still
+    win), not the 8 a default placed before them converts; it fills the directions a rule leaves
+    out, and decides the Linears no rule or shorthand does."""
+    plain = run(make_cfg(*gpt("precision=nvfp4")), tmp_path / "plain")
+    same = _write(tmp_path, "default: {forward: nvfp4, input_grad: nvfp4, weight_grad: nvfp4}\n")
+    restated = run(make_cfg(*gpt("precision=nvfp4", f"precision.recipe={same}")), tmp_path / "d")
+    assert len(plain["converted"]["converted"]) == 3
+    assert restated["converted"]["converted"] == plain["converted"]["converted"]
+    assert _formats(restated) == _formats(plain)
+    last = restated["converted"]["recipe_in_force"][-1]
+    assert last.startswith("{module: '*'") and f"(the default rule of {same})" in last
+    text = "rules:\n  - {module: net.blocks.0.proj, forward: bf16}\ndefault: {weight_grad: bf16}\n"
+    filled = _write(tmp_path, text, "filled.yaml")
+    ruled = run(make_cfg(*gpt("precision=nvfp4", f"precision.recipe={filled}")), tmp_path / "f")
+    directions = ruled["converted"]["directions"]
+    assert directions["net.blocks.0.proj"] == dict(
+        forward="bf16", input_grad="nvfp4", weight_grad="bf16"
+    )
+    assert directions["net.blocks.0.mlp.0"] == dict(
+        forward="nvfp4", input_grad="nvfp4", weight_grad="bf16"
+    )
+    assert set(directions) == set(plain["converted"]["converted"]) and ruled["plan_held"]
+
+
+def test_mxfp8_refuses_forward_and_input_grad_bf16_beside_an_mxfp8_weight_grad(tmp_path):
+    """torchao's MXFP8Linear computes forward and input_grad in mxfp8 whenever it converts a
+    Linear: a rule keeping both bf16 with weight_grad mxfp8 (the search's old forward+input_grad
+    unit) ran all three in mxfp8; it is one line naming the rule, before any step."""
+    file = _write(tmp_path, "- {module: net.blocks.1.proj, forward: bf16, input_grad: bf16}\n")
+    wide = functools.partial(_gpt, width=32, layers=2, steps=2)
+    with pytest.raises(UserError) as refused:
+        run(make_cfg(*wide("precision=mxfp8", f"precision.recipe={file}")), tmp_path / "r")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"precision.recipe rule 1 of {file}: forward=bf16, input_grad=bf16")
+    assert "weight_grad=mxfp8 is invalid under mxfp8" in message
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    default = _write(tmp_path, "default: {forward: bf16, input_grad: bf16}\n", "d.yaml")
+    with pytest.raises(UserError, match=f"the default rule of {default}: forward=bf16"):
+        recipe.load(default, "mxfp8")
+
+
+@pytest.mark.parametrize("fp8_recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fp8_rowwise_runs_a_bf16_direction(tmp_path, fp8_recipe):
+    """A disabled cast is tensorwise: torchao refused an axiswise one ("only dynamic scaling
+    type is supported for axiswise scaling granularity"). The rule's direction runs bf16, the
+    recipe's others in fp8 (rowwise_with_gw_hp's weight_grad in bf16), as the manifest saw."""
+    module = "net.blocks.0.proj"
+    file = _write(tmp_path, f"- {{module: {module}, forward: bf16}}\n")
+    overrides = ("precision=fp8", f"precision.fp8.recipe={fp8_recipe}", NATIVE)
+    ruled = run(make_cfg(*gpt(*overrides, f"precision.recipe={file}")), tmp_path / "r")
+    weight_grad = "bf16" if fp8_recipe == "rowwise_with_gw_hp" else "fp8"
+    formats = _formats(ruled)
+    assert formats[(module, "forward")] == "bf16"
+    assert formats[(module, "input_grad")] == "fp8"
+    assert formats[(module, "weight_grad")] == weight_grad
+    assert formats[("net.blocks.0.mlp.0", "forward")] == "fp8"  # the recipe's rowwise cast
+    assert ruled["plan_held"] is True
+
+
+@pytest.mark.parametrize("mode", ["nvfp4", "fp8"])
+def test_an_all_fp32_rule_is_an_fp32_island(tmp_path, mode, monkeypatch):
+    """A rule keeping all three directions fp32 ran in bf16 (the Linear left to autocast) while
+    the plan held; it is an fp32 island now in every mode: its matmuls compute in fp32 on fp32
+    inputs. Left unmade, the manifest says so against the rule."""
+    from runner.precision import fp32_islands
+
+    module = "net.blocks.0.proj"
+    text = f"- {{module: {module}, forward: fp32, input_grad: fp32, weight_grad: fp32}}\n"
+    file = _write(tmp_path, text)
+    cfg = make_cfg(*gpt(f"precision={mode}", NATIVE, f"precision.recipe={file}"))
+    ruled = run(cfg, tmp_path / "r")
+    rows = [o for o in ops(ruled) if o["module"] == module]
+    assert {o["direction"] for o in rows} == {"forward", "input_grad", "weight_grad"}
+    assert all(o["format"] == "fp32" and o["inputs"] == ["fp32"] for o in rows)
+    assert ruled["converted"]["skipped"][module] == f"fp32 by rule 1 of {file}"
+    assert ruled["plan_held"] is True
+    assert _formats(ruled)[("net.blocks.0.mlp.0", "forward")] == mode  # the rest as before
+    monkeypatch.setattr(fp32_islands, "make", lambda modules, device_type: None)
+    unmade = run(cfg, tmp_path / "unmade")
+    assert unmade["plan_held"] is False
+    assert any(
+        m.startswith(f"rule 1 of {file} keeps {module} in fp32 (an fp32 island); {module}'s")
+        and m.endswith("ran in bf16")
+        for m in unmade["precision_manifest"]["mismatches"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("rule", "refused"),
+    [
+        ("{class: LayerNorm, forward: bf16}", "class: 'LayerNorm' matches no Linear's class"),
+        ("{module: net.norm, forward: bf16}", "it matches 'net.norm', which holds none"),
+        ("{module: 'net.blocks.*.norm?', forward: bf16}", "matches no Linear's name"),
+        ("{class: Block, weight_grad: bf16}", None),  # a module Linears sit in
+        ("{module: net.blocks.1, weight_grad: bf16}", None),
+    ],
+)
+def test_a_glob_must_match_a_linear_or_a_module_one_sits_in(tmp_path, rule, refused):
+    """A class glob is held to a module glob's rule: matching no Linear, neither the Linear
+    nor a module it sits in, is one line before any step (`class: LayerNorm` was in force and
+    changed nothing)."""
+    file = _write(tmp_path, f"- {rule}\n")
+    cfg = make_cfg(*gpt("precision=nvfp4", "trainer.max_steps=1", f"precision.recipe={file}"))
+    if refused is None:
+        assert run(cfg, tmp_path / "r")["plan_held"] is True
+        return
+    with pytest.raises(UserError, match=f"precision.recipe rule 1 of {file}: .*{refused}"):
+        run(cfg, tmp_path / "r")
+
+
+def _docs_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "precision-modes.md").read_text()
+    section = text[text.index("\n## Recipes\n") :]
+    return section[: section.index("\n## ", 1)]
+
+
+def test_every_recipe_file_in_the_docs_loads_and_runs_as_they_say(tmp_path):
+    """Each YAML block of docs/precision-modes.md's Recipes section, on the model they name (a
+    4-block TinyGPT, nvfp4): it loads, runs with the plan held, every converted Linear's
+    directions are what the manifest saw; the `default:` example prints the recipe in force the
+    docs show, its island computes in fp32 and its default decides what no rule does."""
+    section = _docs_section()
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert any("default:" in b for b in blocks)
+    for i, text in enumerate(blocks):
+        file = _write(tmp_path, text, f"docs-{i}.yaml")
+        overrides = ("precision=nvfp4", NATIVE, f"precision.recipe={file}")
+        summary = run(make_cfg(*_gpt(*overrides, layers=4, steps=1)), tmp_path / f"run-{i}")
+        assert summary["plan_held"] is True, summary["precision_manifest"]["mismatches"]
+        formats = _formats(summary)
+        for name, directions in summary["converted"]["directions"].items():
+            assert {d: formats[(name, d)] for d in directions} == directions
+        if "default:" not in text:
+            continue
+        printed = section.split("this file runs as\n\n```\n", 1)[1].split("```", 1)[0]
+        ran = [
+            f"  {r}".replace(file, "example.yaml") for r in summary["converted"]["recipe_in_force"]
+        ]
+        assert ran == printed.splitlines()[1:]
+        assert {formats[("net.blocks.0.qkv", d)] for d in recipe.DIRECTIONS} == {"fp32"}
+        default = dict(forward="nvfp4", input_grad="nvfp4", weight_grad="bf16")
+        assert summary["converted"]["directions"]["net.blocks.2.proj"] == default
+        assert formats[("net.head", "forward")] == "bf16"

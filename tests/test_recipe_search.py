@@ -15,11 +15,12 @@ import torch
 import yaml
 from torch import nn
 
-from runner.answers.recipe_search import rank, rules, search, tail_loss
+from runner.answers.recipe_rank import rank, rules
+from runner.answers.recipe_search import search, tail_loss
 from runner.config.validation import validate
 from runner.errors import UserError
 from runner.run import run
-from tests.helpers import make_cfg, module_run, read_metrics
+from tests.helpers import error_record, make_cfg, module_run, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,14 @@ STEPS = 32  # nvfp4 of every Linear ends 5-10% above bf16's loss by then; the re
 
 
 def outliers(*overrides: str, steps: int = STEPS):
-    args = [f"trainer.max_steps={steps}", f"runner.recipe_steps={steps}", *overrides]
+    # one thread, pinned: the search's trials and the training runs compared with them compute
+    # alike whatever other processes take of the cores (a run picks its threads by them)
+    args = [
+        f"trainer.max_steps={steps}",
+        f"runner.recipe_steps={steps}",
+        "trainer.cpu_threads=1",
+        *overrides,
+    ]
     return make_cfg(*module_run(OUTLIERS, "precision=nvfp4", *args))
 
 
@@ -68,7 +76,7 @@ def gap(run_dir: Path, reference: Path) -> float:
     return (loss - ref) / ref
 
 
-@pytest.mark.slow  # a real search: 4 short runs and 2 trainings, about 11 s
+@pytest.mark.slow  # a real search: 6 short runs (2 seeds) and 3 trainings
 def test_the_search_keeps_the_outlier_layer_and_its_recipe_trains_within_tolerance(tmp_path):
     result = search(outliers(), tmp_path / "search")
     worst = result["ranked"][0]
@@ -96,11 +104,21 @@ def test_the_search_keeps_the_outlier_layer_and_its_recipe_trains_within_toleran
     header = recipe.read_text().splitlines()
     assert header[1].startswith("# candidate 0 (fails): kept in bf16: nothing; loss gap +")
     assert "B200 " in header[1] and "of FLOPs in nvfp4" in header[1]
+    # Judged on 2 seeds: within the tolerance on both, the noise measured on candidate 0.
+    assert len(found["loss_gaps"]) == 2 and max(found["loss_gaps"].values()) <= 0.02
+    assert result["noise"]["spread"] > 0
+    # As torchao's module filter: net.hot keeps one direction in bf16, so it is kept whole.
+    scope: dict = {}
+    exec((tmp_path / "search" / "recipe_filter.py").read_text(), scope)  # noqa: S102
+    converts = {n: scope["module_filter_fn"](None, n) for n in ("inp", "mid", "hot", "tail")}
+    assert converts == {"inp": False, "mid": True, "hot": False, "tail": True}
 
 
 def test_no_small_set_writes_no_recipe(tmp_path):
     """Within a tolerance no candidate meets, up to runner.recipe_max units: no recipe.yaml."""
-    cfg = outliers("compare.tolerance=1e-6", "runner.recipe_max=1", steps=8)
+    cfg = outliers(
+        "compare.tolerance=1e-6", "runner.recipe_max=1", "runner.recipe_seeds=1", steps=8
+    )
     (tmp_path / "recipe.yaml").write_text("rules: []\n")  # a stale one goes too
     result = search(cfg, tmp_path)
     assert not result["found"] and len(result["candidates"]) == 2
@@ -110,10 +128,7 @@ def test_no_small_set_writes_no_recipe(tmp_path):
 
 
 def _record(module, direction, sqnr, flushed, fmt="mxfp8"):
-    operands = {"a": {"underflow": flushed}, "b": {"underflow": 0.0}}
-    return {"module": module, "direction": direction, "format": fmt, "sqnr_db": sqnr} | {
-        "operands": operands
-    }
+    return error_record(module, direction, sqnr, fmt=fmt, flushed=flushed)
 
 
 def test_units_rank_by_sqnr_then_flushed_share_and_mxfp8_keeps_forward_with_input_grad():
@@ -130,9 +145,10 @@ def test_units_rank_by_sqnr_then_flushed_share_and_mxfp8_keeps_forward_with_inpu
         ("a", "forward+input_grad", 12.0),
         ("d", "weight_grad", math.inf),
     ]
+    # mxfp8 keeps forward and input_grad high only with weight_grad: the module unconverted
     assert rules(ranked[:2]) == [
         {"module": "b", "weight_grad": "bf16"},
-        {"module": "a", "forward": "bf16", "input_grad": "bf16"},
+        {"module": "a", "forward": "bf16", "input_grad": "bf16", "weight_grad": "bf16"},
     ]
     assert [u["direction"] for u in rank(records, "fp8")] == []
     records = [{**r, "format": "nvfp4"} for r in records[:2]]
@@ -145,6 +161,7 @@ def test_units_rank_by_sqnr_then_flushed_share_and_mxfp8_keeps_forward_with_inpu
         ("precision=fp16", "precision=fp16 is invalid: allowed: fp8, mxfp8, nvfp4, mxfp4, "),
         ("precision=bf16", "precision=bf16 is invalid: allowed"),
         ("precision.recipe=x.yaml", "precision.recipe='x.yaml' is invalid here: the search writes"),
+        ("precision.fp32_modules=auto", "precision.fp32_modules=auto is invalid here: name the"),
     ],
 )
 def test_a_config_it_cannot_search_is_one_line(tmp_path, override, message):
@@ -153,7 +170,7 @@ def test_a_config_it_cannot_search_is_one_line(tmp_path, override, message):
     assert not list(tmp_path.iterdir())  # before any run
 
 
-@pytest.mark.parametrize("key", ["recipe_max", "recipe_steps"])
+@pytest.mark.parametrize("key", ["recipe_max", "recipe_steps", "recipe_seeds"])
 def test_bad_caps_are_one_line(key):
     with pytest.raises(UserError, match=re.escape(f"runner.{key}=0 is invalid: must be ≥ 1")):
         validate(outliers(f"runner.{key}=0"))
@@ -189,7 +206,9 @@ def test_the_command_prints_the_candidates_and_exits_by_its_verdict(tmp_path):
         f"hydra.run.dir={tmp_path / 'b'}",
         cwd=tmp_path,
     )
-    assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith("no small set: ")
+    # 8 steps: candidate 0's gap moves 8.8% between seeds 0 and 1, candidate 1's is within that
+    # of the tolerance: the runs cannot tell, and say so
+    assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith("cannot tell: ")
     assert not (tmp_path / "b" / "recipe.yaml").exists()
     for bad, words in (
         (["precision=fp32"], "error: the fp32 islands search needs a low-precision mode: "),

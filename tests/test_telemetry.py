@@ -121,7 +121,8 @@ def test_a_step_faster_than_the_peak_is_reported_not_shown(tmp_path, capsys):
     caps = DeviceCaps.probe(torch.device("cpu"))
     key = f"{caps.name}|{torch.get_num_threads()}|{torch.__version__}|{torch.float32}"
     (tmp_path / "cpu_peak_tflops.json").write_text(json.dumps({key: {"tflops": 1e-9}}))
-    s = run(make_cfg(*CHECKPOINTED, f"cache_dir={tmp_path}"), tmp_path / "run")
+    threads = f"trainer.cpu_threads={torch.get_num_threads()}"  # the key's, however busy the CPU
+    s = run(make_cfg(*CHECKPOINTED, f"cache_dir={tmp_path}", threads), tmp_path / "run")
     achieved = s["flops_per_step"] / s["step_time_s"] / 1e12
     assert s["peak_tflops"] == 1e-9 and s["above_peak"] == pytest.approx(achieved / 1e-9)
     assert s["mfu"] is None and s["hfu"] is None

@@ -140,7 +140,9 @@ def test_a_mode_that_stalls_never_reaches_the_target_and_is_never_recommended(tm
     assert f["target_closest"] == pytest.approx(2.9, abs=1e-3)
     assert math.isnan(f["time_to_target_s"]) and math.isnan(f["time_to_target_speedup"])
     assert "not recommended" in stalled.verdict and f["speedup"] == pytest.approx(2.0)
-    assert fp32.verdict == "baseline — recommended: no mode is faster here"
+    assert fp32.verdict == (
+        "baseline — recommended: no mode is faster here but bf16_true, not recommended"
+    )
     md = (tmp_path / "a" / "compare.md").read_text()
     assert "| not reached | not reached | not reached |" in md
     printed = capsys.readouterr().out
@@ -179,8 +181,9 @@ def test_a_mode_faster_per_step_but_slower_to_the_target_says_both_and_loses_to_
     assert bf16.figures["time_to_target_speedup"] == pytest.approx(1.31 / 1.42)
     assert bf16.verdict == (
         "1.31× the step speed, 0.92× to the target: it needs 1.42× the steps (per-job timing; "
-        "one seed), eval loss within 0.00% of fp32 (one seed: untested against seed noise) — "
-        "slower to the target"
+        "one seed), eval loss within 0.00% of fp32 (one seed: untested against seed noise; its "
+        "one seed within +2%: a seed beyond it up to 95% of the time is not ruled out at 95%; 29 "
+        "such seeds would rule out 10%) — slower to the target"
     )
     assert fp16.verdict.startswith("1.14× faster (per-job timing), 1.14× faster to the target")
     assert fp16.verdict.endswith("— recommended")

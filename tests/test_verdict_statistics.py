@@ -54,11 +54,15 @@ def make_job(precision: str, seed: int, eval_loss: float, curve=None, speed=100.
     return Job(Path(f"{precision}-{seed}"), summary, rows, config, overrides)
 
 
-def judged(jobs: list[Job], timings=None, target=None, level=0.95, tolerance=0.02):
+def judged(jobs: list[Job], timings=None, target=None, tolerance=0.02, settings=None):
+    """The rows of a sweep of `jobs`, judged by the comparison's own code; `settings`: the
+    sweep's runner block (runner.seeds=auto: its split level and first look's seeds)."""
     identify(jobs)
     groups = group(jobs)
     spec = TargetSpec(value=target) if target is not None else TargetSpec()
-    analyse(groups, tolerance, timings and timings(groups), spec, level)
+    settings = settings or RunnerConfig()
+    level, first = seeds.level(settings, groups), seeds.first_look(jobs, settings)
+    analyse(groups, tolerance, timings and timings(groups), spec, level, first)
     return {g.precision: g for g in groups}
 
 
@@ -276,15 +280,15 @@ def test_a_row_faster_to_the_target_beyond_seed_noise_is_called_faster_when_not_
     assert bf16.verdict.endswith("— faster to the target, second to fp16")
 
 
-def auto_sweep(rng, gap: float, settings: RunnerConfig, level: float):
+def auto_sweep(rng, gap: float, settings: RunnerConfig, pair_sd: float = 0.01):
     """A runner.seeds=auto sweep simulated by the comparison's own stopping rule
     (runner/compare/seeds.py): 3 seeds, then one more for the rows it says go on."""
     n = {"fp32": 3, "bf16": 3}
-    fp32, other = losses(rng, settings.max_seeds, gap, 0.1, 0.01)
+    fp32, other = losses(rng, settings.max_seeds, gap, 0.1, pair_sd)
     while True:
         jobs = [make_job("fp32", i, fp32[i]) for i in range(n["fp32"])]
         jobs += [make_job("bf16", i, other[i]) for i in range(n["bf16"])]
-        rows = judged(jobs, level=level)
+        rows = judged(jobs, settings=settings)
         seeds.stopped(list(rows.values()), settings)
         going = [p for p, g in rows.items() if g.figures["more_seeds"]]
         if not going:
@@ -295,26 +299,27 @@ def auto_sweep(rng, gap: float, settings: RunnerConfig, level: float):
 
 def test_seeds_auto_stops_within_the_cap_and_its_intervals_keep_their_level():
     """Truth on the boundary: the mode exactly 2% worse, the tolerance. Every look's interval
-    holds 2% unless it misses the truth, so a sweep that stops before the cap has erred; over
-    500 sweeps, fewer than 5% may. With 95% at every look (no split), about 4 looks' chances
-    add up past 5%."""
+    holds 2% unless it misses the truth, so a sweep that stops on its interval before the cap
+    has erred (one may stop on a seed beyond the tolerance too: its interval still counts);
+    over 500 sweeps, fewer than 5% may err. With 95% at every look (no split), about 4 looks'
+    chances add up past 5%."""
     settings = RunnerConfig(seeds="auto", max_seeds=6)
-    level = seeds.level(settings)
-    assert seeds.looks(6) == 4 and level == pytest.approx(1 - 0.05 / 4)
+    assert seeds.looks(6) == 4
     rng = np.random.default_rng(2)
     errors, taken = 0, []
     for _ in range(500):
-        row, n = auto_sweep(rng, 0.02, settings, level)
+        row, n = auto_sweep(rng, 0.02, settings)
         f = row.figures
         errors += not covers(f, "loss_gap", 0.02)
         taken.append(n)
         assert n <= settings.max_seeds
     assert errors / 500 <= 0.05
-    assert max(taken) == 6 and f["seeds_stopped"].startswith("the cap, runner.max_seeds=6")
+    assert max(taken) == 6
+    assert f["confidence"] == pytest.approx(1 - 0.05 / 8)  # 4 looks × 1 row × 2 intervals
 
 
 def test_seeds_auto_decides_a_clear_case_early_and_says_why():
     settings = RunnerConfig(seeds="auto", max_seeds=6)
-    row, n = auto_sweep(np.random.default_rng(4), 0.0, settings, seeds.level(settings))
+    row, n = auto_sweep(np.random.default_rng(4), 0.0, settings, pair_sd=0.002)
     assert n == 3 and row.figures["seeds_stopped"] == "decided"
-    assert "98.75% CI" in row.verdict and "paired over 3 seeds" in row.verdict
+    assert "99.38% CI" in row.verdict and "paired over 3 seeds" in row.verdict

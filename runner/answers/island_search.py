@@ -3,7 +3,7 @@ small set of modules to keep in fp32 that makes a model train in the precision a
 word that no small set exists.
 
 A trial is a short run (the first `runner.islands_steps` optimizer steps of the configured run,
-on its LR schedule) in one process. It trains as the fp32 baseline does (`fault`) when, after the
+on its LR schedule, as runner/answers/trials.py runs it) in one process. It trains as the fp32 baseline does (`fault`) when, after the
 scaler's first calibration (the skipped steps at the start while the loss scale backs off from
 init_scale), at most MAX_SKIPPED_SHARE of its steps are skipped, no loss is non-finite, and its
 mean loss over those steps is within LOSS_TOLERANCE of an fp32 run's over the same steps. Where it
@@ -12,42 +12,36 @@ scale had settled: the trainer's forensics (nonfinite.json) name the first modul
 incoming gradient, became non-finite there; that module is kept in fp32 and the window replayed
 (runner/train/diagnostics.py) on the weights it saw, at the loss scale the run settled at, until
 it runs finite; then a run with the set is judged again. A trial whose fault is its loss alone has
-no window to replay: no small set. At most `runner.islands_max` modules. Trials run eagerly,
-without evaluation or checkpoints.
+no window to replay: no small set. At most `runner.islands_max` modules.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner import console
-from runner.answers.island_criteria import calibration, culprit, fp32_share, loss_fault, range_fault
-from runner.build import build, seed_everything
-from runner.errors import TrainingStopped, UserError, first_line
+from runner.answers.island_criteria import culprit, fp32_share, loss_fault, range_fault
+from runner.answers.trials import Trials
+from runner.errors import UserError
 from runner.files import write_text
 from runner.precision import Precision, mode_of
 from runner.precision.caps import resolve_device
-from runner.tracking import RunLog, dumps
+from runner.tracking import dumps
 from runner.train.diagnostics import found_something, replay
-from runner.train.optim import build_optimizers
 from runner.train.trainer import Trainer
 
 RESULT_FILE = "islands.json"
 
 
-class Search:
-    """One config's search: its data and initial weights built once, each trial a copy."""
+class Search(Trials):
+    """One config's search: its trials (runner/answers/trials.py) and the replays of their
+    failing windows."""
 
-    def __init__(self, cfg: DictConfig, out: Path, steps: int | None = None):
-        self.cfg, self.out = cfg, out
-        self.steps = min(cfg.trainer.max_steps, steps or cfg.runner.islands_steps)
-        self.device = resolve_device(cfg.trainer.device)
-        precision = Precision(cfg.precision, self.device)
+    def __init__(self, cfg: DictConfig, out: Path):
+        precision = Precision(cfg.precision, resolve_device(cfg.trainer.device))
         precision.close()
         self.stages = [m for _, m, _ in precision.stages]  # auto and staged resolved
         if all(mode_of(m).low_dtype is None and not mode_of(m).converts for m in self.stages):
@@ -55,70 +49,8 @@ class Search:
                 f"the fp32 islands search needs a low-precision mode: precision={cfg.precision.mode}"
                 " computes in fp32 already (use e.g. precision=fp16 or bf16)"
             )
-        seed_everything(cfg.seed)
-        self.data, self.initial = build(cfg)
-        self.trials: list[dict] = []
+        super().__init__(cfg, out, cfg.runner.islands_steps)
         self._reference: tuple[dict, list[dict]] | None = None
-
-    def _precision(self, task: torch.nn.Module, islands: list[str], **mode) -> Precision:
-        precision = Precision(OmegaConf.merge(self.cfg.precision, mode), self.device)
-        try:
-            precision.prepare(task, islands)
-        except BaseException:
-            precision.close()
-            raise
-        return precision
-
-    def fit(self, islands: list[str], steps: int | None = None, **mode) -> tuple[dict, Trainer]:
-        """A short run with `islands` kept in fp32 (in `mode`'s precision keys where given; its
-        first `steps` steps where given): its summary, with `stopped` where it stopped itself,
-        and its trainer (whose task holds the weights of the last step applied). Recorded in
-        `trials` with `trains` where it ends finite (`attempt` judges it further)."""
-        folder = self.out / f"trial-{len(self.trials)}"
-        task = copy.deepcopy(self.initial).to(self.device)
-        precision = self._precision(task, islands, **mode)
-        log = RunLog(folder)
-        stopped = None
-        try:
-            groups = precision.optimizer_groups(task.parameter_groups())
-            # The configured run's schedule: a trial is its first steps.
-            optimizers, schedulers = build_optimizers(
-                self.cfg.optim, groups, self.cfg.trainer.max_steps
-            )
-            short = OmegaConf.merge(
-                self.cfg.trainer,
-                {"max_steps": steps or self.steps, "val_check_interval": 0, "progress_bar": False},
-            )
-            trainer = Trainer(
-                short, task, self.data, precision, optimizers, schedulers, log, self.device
-            )
-            trainer.checkpointer.save = lambda *args: None  # a trial keeps no checkpoints
-            seed_everything(self.cfg.seed)  # every trial sees the same random stream
-            try:
-                trainer.fit()
-            except TrainingStopped as e:
-                stopped = first_line(e)
-            summary = trainer.summary() | ({"stopped": stopped} if stopped else {})
-        finally:
-            precision.close()
-        loss = summary["final_loss"]
-        log.finish(summary)
-        self.trials.append(
-            {
-                "kind": "run",
-                "folder": folder.name,
-                "precision": precision.name,
-                "fp32_modules": list(islands),
-                "trains": stopped is None and loss is not None and math.isfinite(loss),
-                "steps": summary["steps"],
-                "skipped_steps": summary["skipped_steps"],
-                "calibration_steps": calibration(trainer.meter.rows),
-                "final_loss": loss,
-                "fp32_flop_share": fp32_share(summary),
-                **({"stopped": stopped} if stopped else {}),
-            }
-        )
-        return summary, trainer
 
     def reference(self) -> tuple[dict, list[dict]]:
         """The fp32 run of the same steps (run once): its summary and metrics."""
@@ -152,10 +84,8 @@ class Search:
     def replay(self, weights: dict, islands: list[str], step: int, loss_scale: float) -> dict:
         """Step `step`'s window forward and backward again on `weights` with `islands` kept in
         fp32, at `loss_scale`: the forensics' report."""
-        task = copy.deepcopy(self.initial)
-        task.load_state_dict(weights)
-        task.to(self.device)
-        precision = self._precision(task, islands)
+        task = self.task(weights).to(self.device)
+        precision, _ = self.precision(task, islands)
         try:
             precision.at_step(step - 1)  # a staged run: the stage of that step
             window = self.window(step)
@@ -192,7 +122,7 @@ class Search:
         # Skipped steps change no weight: those the failing step saw are the initial ones where
         # no step was applied before it, the task's where none was after it, else a run to it's.
         if all(r["skipped"] for r in rows[: step - 1]):
-            weights = self.initial.state_dict()
+            weights = self.initial
         else:
             if not all(r["skipped"] for r in rows[step - 1 :]):
                 _, trainer = self.fit(islands, steps=step)

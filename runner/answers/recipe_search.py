@@ -1,22 +1,34 @@
 """The recipe a model needs in a converting mode (`python -m runner.recipe`): the smallest set of
 module × direction units kept in bf16 with which short runs train within the loss tolerance of
-bf16, written as a recipe file (`precision.recipe=`), or the word that no small set exists.
+bf16, written as a recipe file (`precision.recipe=`) and in the forms trainers read
+(runner/answers/recipe_export.py), or the word that no small set exists, or that its runs cannot
+tell.
+
+Every run is a trial (runner/answers/trials.py): the user's run of the same config, its first
+`runner.recipe_steps` steps, its precision manifest written and held (a plan that did not hold
+stops the search, one line).
 
 1. A run in the mode as configured (candidate 0, every unit in the format) measures each matmul's
-   error on its audited step (summary.json's `matmul_error`). The units (a Linear's forward,
-   input_grad or weight_grad; mxfp8's forward and input_grad are one: its machinery computes them
-   in one format) that computed in the format are ranked lowest SQNR first, the larger share of
-   an operand flushed to zero first where two tie.
-2. A bf16 run of the same config, seed and steps (once): the reference.
-3. Candidate k keeps the k worst units in bf16 (a recipe rule per module); k = 0, 1, 2, ... up to
-   `runner.recipe_max`, each a real run of `runner.recipe_steps` steps (the fp32 islands search's
-   trial machinery, runner/answers/island_search.py), until one passes: its mean loss over its
-   last quarter of steps within `compare.tolerance` (relative) of bf16's over the same steps.
+   error at its first step and every RANK_STEPS-th of its steps (matmul_error); the units that
+   computed in the format are ranked on those measurements (runner/answers/recipe_rank.py: each
+   unit's mean SQNR and its spread over the steps; neighbours closer than their spread tied).
+2. A bf16 run of the same config on each of `runner.recipe_seeds` seeds (seed, seed+1, ...), and
+   candidate 0 on each further one. A candidate's gap on a seed is its mean loss over its last
+   TAIL of steps relative to bf16's on that seed (a paired difference: one init, one data
+   order); the noise is the spread (max − min) of candidate 0's gaps over the seeds.
+3. Candidate k keeps the first k units in bf16 (a recipe rule per module); k = 0, 1, 2, ... up to
+   `runner.recipe_max`, each a run, until one passes. A candidate within `compare.tolerance` on
+   the config's seed runs on every other seed too: it passes where it is within it on every
+   seed, and is within noise where the seeds disagree. One beyond it fails where its gap exceeds
+   the tolerance by more than the noise, and is within noise otherwise (another seed might pass).
 
-The first that passes is written as recipe.yaml, its figures as comments; every candidate's in
-recipe_search.json beside it: the loss gap, the share of the step's FLOPs that ran in the format
-(summary's converted FLOPs), and the projected speed on `runner.project`'s GPUs (default H100, B200)
-from each run's audited step (runner/measure/projection.py). No candidate passing: no recipe.yaml.
+The first that passes is written as recipe.yaml, its figures as comments, with its exported forms
+(runner/answers/recipe_export.py); every candidate's in recipe_search.json beside it: its gaps,
+outcome, the earlier candidates whose gaps it is within noise of, the share of the step's FLOPs
+that ran in the format (summary's converted FLOPs), and the projected speed on
+`runner.project`'s GPUs (default H100, B200) from each run's audited step
+(runner/measure/projection.py). No candidate passing: no recipe.yaml, and the verdict says
+whether the runs could not tell (runner/answers/recipe_verdict.py).
 """
 
 from __future__ import annotations
@@ -27,20 +39,23 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig
 
-from runner.answers.island_search import Search, percent
+from runner.answers import recipe_export
+from runner.answers.recipe_rank import ladder, rank, rules
+from runner.answers.recipe_verdict import FAILS, NOISE, PASSES, header, verdict
+from runner.answers.trials import Trials
 from runner.errors import UserError
 from runner.files import write_text
 from runner.measure import projection
 from runner.measure.gpus import gpu_names
 from runner.measure.memory import trainer_memory
 from runner.precision import mode_of
-from runner.precision.recipe import DIRECTIONS
 from runner.tracking import dumps
 
 MODES = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 RECIPE_FILE, RESULT_FILE = "recipe.yaml", "recipe_search.json"
 DEFAULT_GPUS = ["H100", "B200"]
 TAIL = 0.25  # the share of the last steps whose mean loss is compared
+RANK_STEPS = 4  # candidate 0 measures at its first step and every steps // RANK_STEPS after
 
 
 def check(cfg: DictConfig) -> str:
@@ -57,42 +72,12 @@ def check(cfg: DictConfig) -> str:
             f"precision.recipe={cfg.precision.recipe!r} is invalid here: the search writes the "
             "recipe (drop precision.recipe; the shorthands such as precision.fp4.skip stay)"
         )
+    if cfg.precision.fp32_modules == "auto":
+        raise UserError(
+            "precision.fp32_modules=auto is invalid here: name the fp32 islands "
+            "(python -m runner.islands finds them), or drop it"
+        )
     return mode_of(mode).compute
-
-
-def _flushed(record: dict) -> float:
-    return max((o["underflow"] for o in record["operands"].values()), default=0.0)
-
-
-def rank(records: list[dict], compute: str) -> list[dict]:
-    """The units that computed in `compute`, worst first: lowest SQNR, then largest flushed share.
-    Under mxfp8 forward and input_grad are one unit (named forward+input_grad), at its worse."""
-    units: dict[tuple[str, str], dict] = {}
-    for r in records:
-        if r["format"] != compute:
-            continue
-        direction = r["direction"]
-        if compute == "mxfp8" and direction in DIRECTIONS[:2]:
-            direction = "forward+input_grad"
-        sqnr = (
-            r["sqnr_db"] if isinstance(r["sqnr_db"], int | float) else math.inf
-        )  # None: no signal
-        sqnr = -math.inf if math.isnan(sqnr) else sqnr  # a non-finite product: worst
-        unit = {"module": r["module"], "direction": direction, "sqnr_db": sqnr}
-        unit["underflow"] = _flushed(r)
-        held = units.get((r["module"], direction))
-        if held is None or (sqnr, -unit["underflow"]) < (held["sqnr_db"], -held["underflow"]):
-            units[(r["module"], direction)] = unit
-    return sorted(units.values(), key=lambda u: (u["sqnr_db"], -u["underflow"]))
-
-
-def rules(units: list[dict]) -> list[dict]:
-    """The recipe's rules keeping `units` in bf16: one per module, in the ranking's order."""
-    out: dict[str, dict] = {}
-    for u in units:
-        rule = out.setdefault(u["module"], {"module": u["module"]})
-        rule |= dict.fromkeys(u["direction"].split("+"), "bf16")
-    return list(out.values())
 
 
 def tail_loss(rows: list[dict]) -> float:
@@ -101,52 +86,103 @@ def tail_loss(rows: list[dict]) -> float:
     return sum(r["loss"] for r in last) / len(last) if last else math.nan
 
 
+def outcome(gaps: list[float], tolerance: float, noise: float | None) -> str:
+    """A candidate's outcome from its gaps, on every seed or on the config's alone (`noise`:
+    candidate 0's spread over the seeds; None: one seed, not measured)."""
+    if not all(math.isfinite(g) for g in gaps):
+        return FAILS
+    if len(gaps) > 1:
+        return PASSES if max(gaps) <= tolerance else FAILS if min(gaps) > tolerance else NOISE
+    if gaps[0] <= tolerance:
+        return PASSES
+    return FAILS if noise is None or gaps[0] - tolerance > noise else NOISE
+
+
 class RecipeSearch:
-    """One config's search: the island search's trials (data and initial weights built once)."""
+    """One config's search: its trials, the bf16 reference and its noise, the candidates."""
 
     def __init__(self, cfg: DictConfig, out: Path):
         self.compute = check(cfg)
         self.cfg, self.out = cfg, out
-        self.trials = Search(cfg, out, steps=cfg.runner.recipe_steps)
+        self.trials = Trials(cfg, out, cfg.runner.recipe_steps)
+        self.islands = list(cfg.precision.fp32_modules)
         self.tolerance = float(cfg.compare.tolerance)
         self.gpus = gpu_names(cfg.runner.project or DEFAULT_GPUS)
         self.entries: dict[str, dict] = {}  # the projection's runs, by candidate
+        self.converted: dict[int, dict] = {}  # each candidate's converted Linears: the export's
+        self.seeds = [cfg.seed + i for i in range(cfg.runner.recipe_seeds)]
+        self.bf16: dict[int, float] = {}  # bf16's tail loss, by seed
+        self.noise: dict = {"seeds": self.seeds, "spread": None}
 
-    def run(self, name: str, **mode) -> tuple[dict, object]:
-        """A short run (`mode`: precision keys), its projection entry kept under `name`."""
-        summary, trainer = self.trials.fit([], **mode)
+    def run(self, name: str, seed: int | None = None, **mode) -> tuple[dict, object]:
+        """A trial named `name` (on `seed`; `mode`: precision keys, matmul_error off unless
+        given), its projection entry kept by name."""
+        summary, trainer = self.trials.fit(
+            self.islands, seed=seed, **{"matmul_error": False} | mode
+        )
+        self.trials.trials[-1]["name"] = name
         summary["folder"] = self.trials.trials[-1]["folder"]
-        memory = {"memory": trainer_memory(trainer)}
         rows = trainer.meter.rows
         self.entries[name] = projection.run_entry(
-            summary | memory,
+            summary | {"memory": trainer_memory(trainer)},
             trainer.meter.audited_steps[-1],
             self.cfg.dataset.get("batch_size"),
             rows[-1] if rows else None,
         )
         return summary, trainer
 
-    def candidate(self, k: int, units: list[dict], reference: float) -> dict:
+    def gap(self, rows: list[dict], seed: int, summary: dict) -> float:
+        """A run's gap to bf16 on `seed` (NaN where it stopped short)."""
+        if "stopped" in summary or summary["steps"] < self.trials.steps:
+            return math.nan
+        return (tail_loss(rows) - self.bf16[seed]) / abs(self.bf16[seed])
+
+    def again(self, k: int, **mode) -> list[float]:
+        """Candidate k's gaps on each seed after the config's."""
+        gaps = []
+        for seed in self.seeds[1:]:
+            summary, trainer = self.run(f"candidate {k} seed {seed}", seed, **mode)
+            gaps.append(self.gap(trainer.meter.rows, seed, summary))
+        return gaps
+
+    def reference(self) -> None:
+        """bf16 on every seed: `bf16`, each one's tail loss."""
+        for seed in self.seeds:
+            name = "bf16" if seed == self.cfg.seed else f"bf16 seed {seed}"
+            _, trainer = self.run(name, seed, mode="bf16", stages=[])
+            self.bf16[seed] = tail_loss(trainer.meter.rows)
+
+    def candidate(self, k: int, units: list[dict]) -> dict:
         """Candidate k: the run with `units` kept in bf16 (its recipe file beside it), judged."""
         recipe = self.out / f"candidate-{k}.yaml"
         self.out.mkdir(parents=True, exist_ok=True)
         write_text(recipe, yaml.safe_dump({"rules": rules(units)}, sort_keys=False))
-        summary, trainer = self.run(f"candidate {k}", recipe=str(recipe.resolve()))
-        return self.judge(k, units, summary, trainer, reference)
+        mode = {"recipe": str(recipe.resolve())}
+        summary, trainer = self.run(f"candidate {k}", **mode)
+        return self.judge(k, units, summary, trainer, mode)
 
-    def judge(self, k: int, units: list[dict], summary: dict, trainer, reference: float) -> dict:
-        loss = tail_loss(trainer.meter.rows)
-        stopped = "stopped" in summary or summary["steps"] < self.trials.steps
-        gap = (loss - reference) / abs(reference) if reference else math.nan
+    def judge(self, k: int, units: list[dict], summary: dict, trainer, mode: dict) -> dict:
+        """Candidate k's record; within the tolerance on the config's seed, run on the others."""
+        gaps = [self.gap(trainer.meter.rows, self.cfg.seed, summary)]
+        if k == 0 and len(self.seeds) > 1:  # the noise
+            gaps += self.again(0, **mode)
+            finite = [g for g in gaps if math.isfinite(g)]
+            self.noise["spread"] = max(finite) - min(finite) if len(finite) > 1 else None
+        elif gaps[0] <= self.tolerance and len(self.seeds) > 1:
+            gaps += self.again(k, **mode)
+        result = outcome(gaps, self.tolerance, self.noise["spread"])
         flops = summary.get("flops_per_step")
+        self.converted[k] = trainer.precision.converted.report()
         return {
             "k": k,
             "kept_bf16": [f"{u['module']} {u['direction']}" for u in units],
             "folder": summary["folder"],
             "final_loss": summary["final_loss"],
-            "tail_loss": loss,
-            "loss_gap": gap,
-            "passes": not stopped and math.isfinite(gap) and gap <= self.tolerance,
+            "tail_loss": tail_loss(trainer.meter.rows),
+            "loss_gap": gaps[0],
+            "loss_gaps": dict(zip(self.seeds, gaps, strict=False)),  # by seed, where run
+            "outcome": result,
+            "passes": result == PASSES,
             "converted_flop_share": (summary.get("converted_flops_per_step") or 0) / flops
             if flops
             else None,
@@ -155,22 +191,29 @@ class RecipeSearch:
 
 def search(cfg: DictConfig, out: Path) -> dict:
     """The recipe for `cfg`: the runs in `out/trial-N/` (their recipes `out/candidate-k.yaml`),
-    the result returned and written to `out/recipe_search.json`; `out/recipe.yaml` where a
-    candidate passed."""
+    the result returned and written to `out/recipe_search.json`; `out/recipe.yaml` and its
+    exported forms where a candidate passed."""
     s = RecipeSearch(cfg, out)
-    (out / RECIPE_FILE).unlink(missing_ok=True)  # never a recipe these runs did not pass
-    # the mode as configured, each matmul's error measured: it ranks the units
-    summary, trainer = s.run("candidate 0", matmul_error=True)
+    for stale in (RECIPE_FILE, recipe_export.FILTER_FILE, recipe_export.TORCHTITAN_FILE):
+        (out / stale).unlink(missing_ok=True)  # never a recipe these runs did not pass
+    # the mode as configured, each matmul's error measured at several steps: it ranks the units
+    every = max(1, s.trials.steps // RANK_STEPS)
+    summary, trainer = s.run("candidate 0", matmul_error=True, error_every_n_steps=every)
     ranked = rank(trainer.errors.records, s.compute)
-    _, bf16 = s.run("bf16", mode="bf16", stages=[])
-    reference = tail_loss(bf16.meter.rows)
-    candidates = [s.judge(0, [], summary, trainer, reference)]
-    cap = min(cfg.runner.recipe_max, len(ranked))
+    s.reference()
+    candidates = [s.judge(0, [], summary, trainer, {})]
+    units = ladder(ranked)
+    cap = min(cfg.runner.recipe_max, len(units))
     while not candidates[-1]["passes"] and len(candidates) <= cap:
-        k = len(candidates)
-        candidates.append(s.candidate(k, ranked[:k], reference))
+        candidates.append(s.candidate(len(candidates), units[: len(candidates)]))
+    noise = s.noise["spread"]
     projected = projection.project(s.entries, s.gpus)
     for c in candidates:
+        c["within_noise_of"] = [
+            d["k"]
+            for d in candidates[: c["k"]]
+            if noise is not None and abs(c["loss_gap"] - d["loss_gap"]) <= noise
+        ]
         c["projected"] = {
             gpu: {
                 key: rows[f"candidate {c['k']}"][key] for key in ("step_time_s", "speedup_vs_bf16")
@@ -182,57 +225,26 @@ def search(cfg: DictConfig, out: Path) -> dict:
         "precision": cfg.precision.mode,
         "steps": s.trials.steps,
         "tolerance": s.tolerance,
-        "bf16_tail_loss": reference,
+        "tail_share": TAIL,
+        "recipe_max": cfg.runner.recipe_max,
+        "bf16_tail_losses": s.bf16,
+        "noise": s.noise,
         "ranked": ranked,
         "candidates": candidates,
         "found": found is not None,
         "gpus": s.gpus,
+        **s.trials.cpu,  # the threads every trial trained with
+        "trials": s.trials.trials,
     }
     if found:
         recipe = out / RECIPE_FILE
-        write_text(
-            recipe,
-            _header(result, found)
-            + yaml.safe_dump({"rules": rules(ranked[: found["k"]])}, sort_keys=False),
-        )
-        result["recipe"] = str(recipe)
-        kept = ", ".join(found["kept_bf16"]) or "nothing"
-        result["verdict"] = (
-            f"{cfg.precision.mode} trains within {_tolerance(s.tolerance)} of bf16 keeping {kept} in bf16 "
-            f"({percent(found['converted_flop_share'])} of the FLOPs in {cfg.precision.mode}; loss gap "
-            f"{found['loss_gap']:+.2%}): precision.recipe={recipe}"
-        )
-    else:
-        result["verdict"] = (
-            f"no small set: {cfg.precision.mode} stays more than {_tolerance(s.tolerance)} from bf16's loss "
-            f"with up to {len(candidates) - 1} unit(s) kept in bf16 (runner.recipe_max="
-            f"{cfg.runner.recipe_max}, {len(ranked)} ranked)"
-        )
+        body = yaml.safe_dump({"rules": rules(units[: found["k"]])}, sort_keys=False)
+        write_text(recipe, header(result) + body)
+        source = f"precision={cfg.precision.mode} recipe found by python -m runner.recipe: {recipe}"
+        prefix = recipe_export.prefix_of(list(s.trials.initial))
+        report = s.converted[found["k"]]
+        exported = recipe_export.write(out, cfg.precision.mode, report, source, prefix)
+        result |= {"recipe": str(recipe), "exported": [str(p) for p in exported]}
+    result["verdict"] = verdict(result, found)
     write_text(out / RESULT_FILE, dumps(result, indent=2) + "\n")
     return result
-
-
-def _tolerance(tolerance: float) -> str:
-    return f"{100 * tolerance:g}%"  # 2%, 0.5%
-
-
-def _header(result: dict, found: dict) -> str:
-    """recipe.yaml's comments: how it was found, each candidate's gap, share and speed."""
-    lines = [
-        f"# precision={result['precision']}: found by python -m runner.recipe, {result['steps']} "
-        f"steps a run, tolerance {_tolerance(result['tolerance'])} of bf16's mean loss over the last "
-        f"{TAIL:.0%} of the steps; apply with the same overrides and precision.recipe=THIS_FILE",
-    ]
-    for c in result["candidates"]:
-        speed = ", ".join(f"{gpu} {_x(p['speedup_vs_bf16'])}" for gpu, p in c["projected"].items())
-        lines.append(
-            f"# candidate {c['k']} ({'passes' if c['passes'] else 'fails'}): kept in bf16: "
-            f"{', '.join(c['kept_bf16']) or 'nothing'}; loss gap {c['loss_gap']:+.2%}; "
-            f"{percent(c['converted_flop_share'])} of FLOPs in {result['precision']}; "
-            f"projected vs bf16 (estimate): {speed}"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _x(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"

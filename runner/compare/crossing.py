@@ -56,10 +56,32 @@ def smooth(values: list[float], window: int = SMOOTHING) -> list[float]:
 
 
 def evaluations(job: Job, metric: str) -> tuple[list[int], list[float]]:
-    """The steps and values of the job's evaluations of `metric` (metrics.jsonl)."""
+    """The steps and values of the job's evaluations of `metric` (metrics.jsonl), an inf or
+    NaN one (written as a string, or null) kept as such: a diverged evaluation."""
     points = [(r["step"], as_float(r.get(metric))) for r in job.rows if metric in r]
-    points = [(s, v) for s, v in points if math.isfinite(v)]
     return [s for s, _ in points], [v for _, v in points]
+
+
+def diverged_evaluation(job: Job) -> str | None:
+    """Where the job's evaluation first became inf or NaN, in words ("eval loss inf at step
+    125"): a diverged seed, whatever its training loss did; None where every one is finite.
+    A null evaluation in metrics.jsonl is JSON's NaN (as `evaluations` reads it); in
+    summary.json, a figure not measured."""
+    rows = [*job.rows, {"step": "the end", **job.summary}]
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith("eval_") or isinstance(value, bool):
+                continue
+            if value is None and row["step"] == "the end":
+                continue
+            try:
+                number = as_float(value)
+            except (TypeError, ValueError):  # eval_error's message, eval_precisions' tables
+                continue
+            if not math.isfinite(number):
+                where = f"step {row['step']}" if row["step"] != "the end" else "the end"
+                return f"{key.replace('_', ' ')} {number} at {where}"
+    return None
 
 
 def clock(rows: list[dict]) -> dict[int, tuple[float, float, float]]:
@@ -121,6 +143,8 @@ def reach(job: Job, spec: TargetSpec, target: float) -> dict:
     out |= {"evals": len(steps), "evals_before": None}
     if not steps:
         return out | {"status": "no curve"}
+    if not all(math.isfinite(v) for v in values):  # an inf or NaN evaluation: never timed
+        return out | {"status": "diverged"}
     curve = smooth(values)
     sign = 1 if spec.lower else -1
     out["closest"] = min(curve, key=lambda v: sign * v)
@@ -156,26 +180,31 @@ def best_value(job: Job, spec: TargetSpec) -> float:
     if not values:
         return final_value(job, spec.metric)
     sign = 1 if spec.lower else -1
-    return min(smooth(values), key=lambda v: sign * v)
+    return min(finite(smooth(values)), key=lambda v: sign * v, default=math.nan)
 
 
-def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[float, str]:
+def choose(
+    base: Group | None, spec: TargetSpec, tolerance: float, first: frozenset | None = None
+) -> tuple[float, str]:
     """The target for the rows compared with `base`, and where it comes from (in words): the
     baseline's mean final value, or its worst seed's best where that is further, loosened by
     the tolerance; so every baseline seed reaches it, and so does a mode within the tolerance
-    of each."""
+    of each. `first`: a runner.seeds=auto sweep's first look's seeds, the only ones it is taken
+    from, so that it never moves as the baseline gains seeds."""
     if spec.value is not None:
         return float(spec.value), f"compare.target={spec.value:g}"
     if base is None:
         return math.nan, "no baseline to take a target from"
-    finals = finite(final_value(j, spec.metric) for j in base.counted)
+    jobs = [j for j in base.counted if first is None or j.config.get("seed") in first]
+    jobs = jobs or base.counted
+    finals = finite(final_value(j, spec.metric) for j in jobs)
     if not finals:
         return math.nan, f"{base.label} has no {spec.metric} to take a target from"
     sign = 1 if spec.lower else -1
     value = mean = sum(finals) / len(finals)
     seeds = f"the mean of {len(finals)} seeds" if len(finals) > 1 else "one seed"
     words = f"{base.label}'s final {spec.metric.replace('_', ' ')} {mean:.4f} ({seeds})"
-    bests = [(best_value(j, spec), j) for j in base.counted]
+    bests = [(best_value(j, spec), j) for j in jobs]
     worst, job = max(
         ((v, j) for v, j in bests if math.isfinite(v)),
         key=lambda b: sign * b[0],
@@ -188,7 +217,8 @@ def choose(base: Group | None, spec: TargetSpec, tolerance: float) -> tuple[floa
             f"furthest of its seeds (their mean final: {mean:.4f})"
         )
     loose = value + sign * tolerance * abs(value)
-    return loose, f"{words} {'+' if spec.lower else '−'}{percent(tolerance)} tolerance"
+    fixed = "; fixed at the first look" if first is not None else ""
+    return loose, f"{words} {'+' if spec.lower else '−'}{percent(tolerance)} tolerance{fixed}"
 
 
 def _job_time(g: Group, job: Job, step: float, wall_s: float) -> tuple[float, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.compare import capacity, projected, target
-from runner.compare.groups import scales_loss
+from runner.compare.groups import contended, scales_loss
 from runner.compare.stats import as_float, known, median
 
 if TYPE_CHECKING:
@@ -215,6 +215,8 @@ def time_to_target(ax, groups: list[Group], key: str = "time_to_target_s") -> No
         else:
             speedup = g.figures.get("time_to_target_speedup")
             label = f"{speedup:.2f}×" if known(speedup) and key == "time_to_target_s" else ""
+            if label and contended(g, "time_to_target_speedup"):  # another process's, not its
+                label = "contended"
         ax.annotate(
             label,
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),

@@ -122,10 +122,13 @@ def _emulated_by(summary: dict) -> str | None:
     return "cpu_kernels" if summary.get("cpu_kernels") == "fast" else None
 
 
-def own_figures(g: Group, timing: dict | None) -> dict:
-    """Its figures over its seeds; its speed from `timing` where it was timed interleaved."""
+def own_figures(g: Group, timing: dict | None, first: frozenset | None = None) -> dict:
+    """Its figures over its seeds (its speed, memory and the rest but the losses over those
+    of `first`, a runner.seeds=auto sweep's first look, where it has any: later seeds cannot
+    move them); its speed from `timing` where it was timed interleaved."""
     jobs = g.counted
-    f = {k: median(j.figures[k] for j in jobs) for k in jobs[0].figures if k not in PAIRED}
+    typical = [j for j in jobs if first is None or j.config.get("seed") in first] or jobs
+    f = {k: median(j.figures[k] for j in typical) for k in jobs[0].figures if k not in PAIRED}
     for key in ("final_loss", "eval_loss"):
         f[key], f[f"{key}_std"] = mean_std(j.figures[key] for j in jobs)
     f |= {"samples_per_s_rounds": None, "speed_source": "jobs"}
@@ -133,13 +136,23 @@ def own_figures(g: Group, timing: dict | None) -> dict:
     f |= capacity.own(g, f["max_batch"])  # how its max batch was found
     f["speed_emulated_by"] = next(filter(None, (_emulated_by(j.summary) for j in g.jobs)), None)
     f["speed_emulated"] = f["speed_emulated_by"] is not None
+    # A seed timed while another process held its cores: the row's speed is untested (of
+    # the seeds its speed comes from: an auto sweep's first look's)
+    timed = [j for j in g.jobs if first is None or j.config.get("seed") in first] or g.jobs
+    shared = next((j.summary for j in timed if j.summary.get("speed_contended")), None)
+    f["speed_contended"] = shared is not None
+    f["contention"] = ((shared or {}).get("contention") or {}).get("words")
     if timing is not None:
         f |= {k: timing[k] for k in SPEED} | {"speed_source": "interleaved"}
+        f["speed_contended"] = bool(timing.get("speed_contended"))
+        f["contention"] = timing.get("contention")
         f["samples_per_s_q1"], f["samples_per_s_q3"] = quartiles(timing["samples_per_s_rounds"])
         # Its MFU by the step time its speed now comes from (as runner/measure/flops.py's utilisation;
-        # over 1, the peak is no ceiling, and no MFU is shown).
+        # over 1, the peak is no ceiling, and no MFU is shown), neither from a contended timing
+        # nor against a peak measured while other processes held the cores.
         mfu = f["flops_per_step"] / f["step_time_s"] / (f["peak_tflops"] * 1e12)
-        f["mfu"] = mfu if mfu <= 1 else math.nan
+        shared = f["speed_contended"] or any(j.summary.get("peak_contended") for j in jobs)
+        f["mfu"] = mfu if mfu <= 1 and not shared else math.nan
     return (
         f
         | plan_held(g)
@@ -156,3 +169,23 @@ def own_figures(g: Group, timing: dict | None) -> dict:
             "final_loss_gap": median(j.figures.get("final_loss_gap") for j in jobs),
         }
     )
+
+
+# A row timed while another process held its cores (`speed_contended`): its own speed cells say
+# so, and its ratios to the baseline (or every row's, where the baseline's was) are untested
+OWN_SPEED = ("samples_per_s", "samples_per_s_iqr", "time_to_target_s")
+SPEED_RATIOS = ("speedup", "time_to_target_speedup")
+
+
+def contended(group: Group, key: str) -> bool:
+    """Whether `key`'s figure of `group` was timed contended: its own speed, or for a ratio to
+    the baseline, either side's."""
+    shared = bool(group.figures.get("speed_contended"))
+    if key in SPEED_RATIOS:
+        base = group.base
+        return (
+            base is not None
+            and base is not group
+            and (shared or bool(base.figures.get("speed_contended")))
+        )
+    return key in OWN_SPEED and shared

@@ -6,7 +6,9 @@ scripts/bench.py time through here.
 Each timing fits `warmup` untimed steps, then `steps` timed ones as one logging interval, through
 `Trainer.fit` as a run takes them (the first timing's first step is the eager precision audit).
 Figures are medians over rounds, their spread the interquartile range over rounds, and ratios the
-medians of per-round ratios: pairs timed in the same round, so drift between rounds cancels out.
+per-round ratios (pairs timed in the same round, so drift between rounds cancels out) in a
+geometric mean that weights each order alike (stats.round_ratio), so that drift within a round,
+which favours one order, cancels too, with an odd count of rounds as with an even one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from runner import console
-from runner.compare.stats import median_ratio
+from runner.compare.stats import round_ratio
 from runner.config import RunnerConfig
 from runner.errors import first_line
 from runner.train.session import prepared, trainer_timer, workspace
@@ -58,15 +60,21 @@ def time_configs(
     built once from its config on the first config's data and initial weights, timed in
     alternating rounds. Per variant: samples_per_s and step_time_s (medians over rounds),
     samples_per_s_iqr (over rounds), samples_per_s_rounds, speedup (against the first variant:
-    the median of per-round ratios) and peak_memory_mb (the most of any round)."""
+    per-round ratios, each order weighted alike), peak_memory_mb (the most of any round), and
+    what each round got of the machine: a contended round is timed again (`clean_rounds`),
+    and where one stays contended, so is the speed (`speed_contended`)."""
     with ExitStack() as stack:
         device, data, task, log = workspace(next(iter(configs.values())), stack)
         timers = {}
         for key, cfg in configs.items():
             variant, precision = prepared(cfg, task, device, stack)
             timers[key] = trainer_timer(cfg, variant, data, precision, log, warmup, steps)
-        results = alternate(timers, rounds)
+        results, redone = clean_rounds(timers, rounds)
     base = [s["samples_per_s"] for s in next(iter(results.values()))]
+    # a round is contended where any variant's was (its ratios pair them), unjudged where none was
+    by_round = [
+        _contended([s[r].get("speed_contended") for s in results.values()]) for r in range(rounds)
+    ]
     figures = {}
     for key, summaries in results.items():
         rates = [s["samples_per_s"] for s in summaries]
@@ -75,10 +83,41 @@ def time_configs(
             "samples_per_s_iqr": float(np.subtract(*np.percentile(rates, [75, 25]))),
             "samples_per_s_rounds": rates,
             "step_time_s": statistics.median(s["step_time_s"] for s in summaries),
-            "speedup": median_ratio(rates, base),
+            "speedup": round_ratio(rates, base),
             "peak_memory_mb": max(s["peak_memory_mb"] for s in summaries),
+            # each round's share of the machine (runner/measure/contention.py), and the rounds
+            # timed again for being contended; a round still contended leaves the speed so
+            "cpu_share_rounds": [(s.get("contention") or {}).get("cpu_share") for s in summaries],
+            "rounds_redone": redone,
+            "speed_contended": _contended(by_round),
+            "contention": next(
+                (
+                    (s.get("contention") or {}).get("words")
+                    for s in summaries
+                    if s.get("speed_contended")
+                ),
+                None,
+            ),
         }
     return figures
+
+
+def clean_rounds(timers: dict[K, Callable[[], dict]], rounds: int) -> tuple[dict, int]:
+    """`alternate`'s rounds, each timed again, in the same order, where any of its timings was
+    contended (another process held the cores), up to `rounds` times in all; a round still
+    contended after that stays, and the figures say so. Returns (results, rounds redone)."""
+    results: dict = {key: [] for key in timers}
+    redone = 0
+    for r in range(rounds):
+        order = dict(reversed(list(timers.items()))) if r % 2 else timers
+        while True:
+            got = alternate(order, 1)
+            if not any(s[0].get("speed_contended") for s in got.values()) or redone >= rounds:
+                break
+            redone += 1
+        for key in timers:
+            results[key].append(got[key][0])
+    return results, redone
 
 
 def _stages(cfg: DictConfig, steps: int) -> list[tuple[DictConfig, int]]:
@@ -111,6 +150,8 @@ def _by_steps(parts: list[tuple[dict, int]]) -> dict:
         "samples_per_s_rounds": rates,
         "step_time_s": sum(n / total * f["step_time_s"] for f, n in parts),
         "peak_memory_mb": max(f["peak_memory_mb"] for f, _ in parts),
+        "speed_contended": _contended([f.get("speed_contended") for f, _ in parts]),
+        "contention": next((f["contention"] for f, _ in parts if f.get("contention")), None),
     }
 
 
@@ -162,7 +203,28 @@ def time_sweep(groups: list[Group], settings: RunnerConfig) -> dict[tuple, dict]
                 "the jobs' speed is used"
             )
             continue
+        redone = max(f.get("rounds_redone", 0) for f in figures.values())
+        if any(f.get("speed_contended") for f in figures.values()):
+            console.say(
+                f"[yellow]warning:[/] {where}: rounds stayed contended after {redone} timed "
+                "again (another process held the cores): these rows' speed is untested"
+            )
+        elif redone:
+            console.say(f"{where}: {redone} contended rounds timed again")
+        if any(f.get("speed_contended") is None for f in figures.values()):
+            console.say(
+                f"{where}: whether the machine was shared could not be told (rounds under "
+                "50 ms, or no per-thread CPU accounts here): runner.speed_steps=N times longer"
+            )
         for g, _ in rows:
             parts = [(figures[k], steps[k]) for k in configs if k[0] == g.key]
             timings[g.key] = parts[0][0] if len(parts) == 1 else _by_steps(parts)
     return timings
+
+
+def _contended(verdicts: list[bool | None]) -> bool | None:
+    """A timing's contention from its parts' (rounds', stages'): contended where one was, None
+    where none could be judged (each too short, or unmeasured), else clean."""
+    if any(verdicts):
+        return True
+    return None if all(v is None for v in verdicts) else False

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.config.commandline import ALIASES
 from runner.errors import UserError
 from runner.files import read_json, read_rows
 from runner.folders import LAUNCHER_RECORD, SWEEP_RECORD, read_record, rerun_key
@@ -64,7 +65,8 @@ def identify(jobs: list[Job]) -> None:
     any other key splits settings. A label names the precision and the values that vary: every
     key outside precision.*, and a precision.* key where it varies within some mode or this
     job's command line set it (not staged's stages, which come with the mode; not one this job
-    leaves null, as fp32's and bf16's rows beside nvfp4's recipes); a recipe by its file name."""
+    leaves null, as fp32's and bf16's rows beside nvfp4's recipes); a recipe by its file name,
+    with as many of its folders as tell it from another job's recipe of that name."""
     flats = [
         {
             k: v
@@ -74,6 +76,7 @@ def identify(jobs: list[Job]) -> None:
         for j in jobs
     ]
     keys = sorted({k for f in flats for k in f})
+    recipes = {json.loads(f.get("precision.recipe") or "null") for f in flats} - {None}
     varying = [k for k in keys if len({f.get(k) for f in flats}) > 1]
     modes = {j.precision for j in jobs}
     # A key whose value follows from the mode (staged's stages): not a variable of the sweep.
@@ -97,18 +100,34 @@ def identify(jobs: list[Job]) -> None:
         ]
         shown.sort(key=lambda k: k.startswith("precision."))  # the setting's keys first
         job.label = " ".join(
-            [job.precision, *(f"{k.rsplit('.', 1)[-1]}={_shown(flat.get(k), k)}" for k in shown)]
+            [
+                job.precision,
+                *(f"{_name(k)}={_shown(flat.get(k), k, recipes)}" for k in shown),
+            ]
         )
 
 
-def _shown(value: str | None, key: str = "") -> str:
+def _name(key: str) -> str:
+    """A key as a label names it: its last part, or its alias's (precision.autopilot.enabled:
+    autopilot)."""
+    alias = next((a for a, full in ALIASES.items() if full == key), key)
+    return alias.rsplit(".", 1)[-1]
+
+
+def _shown(value: str | None, key: str = "", recipes: set = frozenset()) -> str:
     """A flattened value as a label shows it: strings bare (precision.recipe's file by its
-    name), the rest as JSON."""
+    name, with the fewest folders that tell it from the other `recipes`' paths), the rest as
+    JSON."""
     if value is None:
         return "unset"
     loaded = json.loads(value)
     if key == "precision.recipe" and isinstance(loaded, str):
-        return Path(loaded).name
+        parts = Path(loaded).parts
+        for n in range(1, len(parts)):
+            tails = {Path(*Path(r).parts[-n:]) for r in recipes if r != loaded}
+            if Path(*parts[-n:]) not in tails:
+                return str(Path(*parts[-n:]))
+        return loaded
     return loaded if isinstance(loaded, str) else value
 
 

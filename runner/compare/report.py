@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from runner import console
 from runner.compare import capacity, deployed, finetune, projected, target
 from runner.compare.dashboard import plot
+from runner.compare.groups import SPEED_RATIOS, contended
 from runner.compare.stats import CONFIDENCE, known, percent
 from runner.compare.verdicts import in_short
 from runner.files import replacing, write_text
@@ -33,6 +34,7 @@ COLUMNS = [
     ("final loss", "final_loss", "{:.4f}"),
     ("eval loss", "eval_loss", "{:.4f}"),
     ("loss gap [95% CI]", "loss_gap", "{:+.1%}"),
+    ("worst seed gap", "loss_gap_worst_seed", "{:+.1%}"),  # each seed's own, the highest
     ("diverged", "divergence_rate", "{:.0%}"),
     ("max loss gap", "max_loss_gap", "{:.1%}"),
     ("skipped", "skipped_steps", "{}"),
@@ -48,9 +50,19 @@ COLUMNS = [
 CONVERTED = ("fp8/fp4 FLOPs", "converted_flop_share", "{:.0%}")
 
 
+CONTENDED = "untested (contended)"  # a ratio timed contended (groups.py's `contended`)
+
+
 def _cell(group: Group, key: str, fmt: str) -> str:
     if (said := target.cell(group, key)) is not None:  # "not reached", "untested"
         return said
+    if key in SPEED_RATIOS and contended(group, key):
+        return CONTENDED
+    cell = _figure(group, key, fmt)
+    return f"{cell} (contended)" if contended(group, key) and cell != "—" else cell
+
+
+def _figure(group: Group, key: str, fmt: str) -> str:
     value = getattr(group, key) if key in ("label", "verdict") else group.figures.get(key)
     if key == "seeds" and group.figures.get("seeds_stopped"):  # runner.seeds=auto: and why
         return f"{value}: {group.figures['seeds_stopped']}"
@@ -180,6 +192,8 @@ def _short_cell(group: Group, key: str, fmt: str) -> str:
     """As compare.md's cell, the interval's bounds without their % signs: "+0.1% [-2.0, +2.2]"."""
     cell = _cell(group, key, fmt)
     if key == "speedup" and known(group.figures.get("target")):  # "1.31×/0.92×": to the target
+        if contended(group, key):
+            return "contended"
         to = _cell(group, "time_to_target_speedup", fmt).partition(" [")[0]
         short = {"not reached": "never", "untested": "?"}.get(to, to)
         return f"{cell}/{short}"

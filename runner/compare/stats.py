@@ -1,9 +1,12 @@
-"""The statistics of a comparison: a typical seed's figure, per-round ratios, and the confidence
-intervals the verdicts read: a paired t interval on per-seed differences where the jobs pair by
-seed, Welch's where they do not, and intervals on logarithms that add every source of spread
-measured (seeds, timing rounds) with Welch–Satterthwaite's degrees of freedom. Student's t
-quantile is computed here (no scipy). Each takes its confidence `level`: 95%, or higher for a
-sweep that added seeds until its verdicts were decided (runner/compare/seeds.py)."""
+"""The statistics of a comparison: a typical seed's figure, ratios of interleaved timing
+rounds, and the confidence intervals the verdicts read, all on logarithms, where a ratio's
+seed-to-seed spread is closest to normal (per-seed loss ratios and steps ratios, which a
+multiplicative effect makes lognormal): a paired t interval on the per-seed log ratios where the
+jobs pair by seed, Welch's on the log losses where they do not, and intervals that add every
+source of spread measured (seeds, timing rounds) with Welch–Satterthwaite's degrees of freedom.
+Student's t quantile is computed here, exactly (no scipy). Each takes its confidence `level`:
+95%, or higher for a sweep that added seeds until its verdicts were decided
+(runner/compare/seeds.py). And what clean seeds cannot rule out: `clean_bound`."""
 
 from __future__ import annotations
 
@@ -54,33 +57,63 @@ def quartiles(values) -> tuple[float, float]:
     return q1, q3
 
 
-def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """The median of the per-round ratios a/b."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
 def mean_std(values) -> tuple[float, float]:
     values = finite(values)
     mean = statistics.fmean(values) if values else math.nan
     return mean, statistics.stdev(values) if len(values) > 1 else math.nan
 
 
+def _continued_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+
+    def clamp(v: float) -> float:
+        return v if abs(v) > tiny else tiny
+
+    c, d = 1.0, 1 / clamp(1 - (a + b) * x / (a + 1))
+    h = d
+    for m in range(1, 100_000):
+        for aa in (
+            m * (b - m) * x / ((a - 1 + 2 * m) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 1 + 2 * m)),
+        ):
+            d, c = 1 / clamp(1 + aa * d), clamp(1 + aa / c)
+            h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return h
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), to about 1e-14."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    front = math.exp(log_front + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _continued_fraction(a, b, x) / a
+    return 1 - front * _continued_fraction(b, a, 1 - x) / b
+
+
+def t_tail(t: float, df: float) -> float:
+    """P(T > t) for t ≥ 0, Student's t with `df` (> 0, real) degrees of freedom: exact, as
+    half the regularized incomplete beta function I_{df/(df+t²)}(df/2, 1/2)."""
+    return 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+
 @functools.lru_cache(maxsize=4096)
 def t_quantile(p: float, df: float) -> float:
-    """Student's t distribution's quantile at `p` (> 0.5) for `df` degrees of freedom (any real
-    df ≥ 1): bisection on its CDF, the density integrated by Simpson's rule."""
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-
-    def cdf(x: float, n: int = 512) -> float:
-        h = x / n
-        weights = (1 if i in (0, n) else 4 if i % 2 else 2 for i in range(n + 1))
-        total = sum(w * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i, w in enumerate(weights))
-        return 0.5 + c * total * h / 3
-
-    low, high = 0.0, 64.0  # t(0.975, df=1) is 12.7
-    for _ in range(50):
+    """Student's t distribution's quantile at `p` (0.5 < p < 1) for `df` degrees of freedom (any
+    real df > 0; the normal's where df is infinite): bisection on the exact tail `t_tail` to a
+    relative 1e-13, with no upper limit (df = 1 at 99.95% is 636.6)."""
+    if math.isinf(df):
+        return statistics.NormalDist().inv_cdf(p)
+    low, high = 0.0, 1.0
+    while t_tail(high, df) > 1 - p:
+        low, high = high, 2 * high
+    while high - low > 1e-13 * high:
         mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+        low, high = (mid, high) if t_tail(mid, df) > 1 - p else (low, mid)
     return (low + high) / 2
 
 
@@ -90,25 +123,42 @@ def _half(level: float, se: float, df: float) -> float:
 
 
 def welch(ours: list[float], theirs: list[float], level: float = CONFIDENCE) -> tuple:
-    """The difference of the means and its interval (Welch's t: unequal variances), all
-    relative to |theirs' mean|: (gap, low, high). For jobs that do not pair by seed."""
-    m1, m2 = statistics.fmean(ours), statistics.fmean(theirs)
-    v1, v2 = statistics.variance(ours) / len(ours), statistics.variance(theirs) / len(theirs)
-    half = _half(
-        level, math.sqrt(v1 + v2), satterthwaite([(v1, len(ours) - 1), (v2, len(theirs) - 1)])
-    )
-    scale = abs(m2) or 1.0
-    return (m1 - m2) / scale, (m1 - m2 - half) / scale, (m1 - m2 + half) / scale
+    """For losses that do not pair by seed: the ratio of the geometric means less 1 and its
+    interval, Welch's t (unequal variances) on the logarithms of the losses: (gap, low, high)."""
+    a, b = [math.log(v) for v in ours], [math.log(v) for v in theirs]
+    parts = [spread(a), spread(b)]
+    _, low, high = log_interval(statistics.fmean(a) - statistics.fmean(b), parts, level)
+    return math.exp(statistics.fmean(a) - statistics.fmean(b)) - 1, low - 1, high - 1
 
 
 def paired(ours: list[float], theirs: list[float], level: float = CONFIDENCE) -> tuple:
-    """The mean of per-seed differences (ours[i] − theirs[i], the same seed: same weights and
-    data order, so the seed's own luck cancels) and its t interval on n − 1 degrees of freedom,
-    all relative to |theirs' mean|: (gap, low, high)."""
-    d = [a - b for a, b in zip(ours, theirs, strict=True)]
-    mean, scale = statistics.fmean(d), abs(statistics.fmean(theirs)) or 1.0
-    half = _half(level, statistics.stdev(d) / math.sqrt(len(d)), len(d) - 1)
-    return mean / scale, (mean - half) / scale, (mean + half) / scale
+    """Per-seed loss ratios ours[i] / theirs[i] (the same seed: same weights and data order, so
+    the seed's own luck cancels) summed up: their geometric mean less 1 and its t interval on
+    their logarithms (n − 1 degrees of freedom): (gap, low, high)."""
+    gap, low, high = ratio_ci([a / b for a, b in zip(ours, theirs, strict=True)], level)
+    return gap - 1, low - 1, high - 1
+
+
+def clean_bound(seeds: int, level: float = CONFIDENCE) -> float:
+    """The largest per-seed failure rate that `seeds` seeds, none failed, do not rule out at
+    `level` (one-sided, exact: (1 − p)^n = 1 − level): 63% for 3 seeds at 95%."""
+    return 1 - (1 - level) ** (1 / seeds)
+
+
+def seeds_to_rule_out(rate: float, level: float = CONFIDENCE) -> int:
+    """The clean seeds (none failed) that would rule out a per-seed failure rate of `rate` at
+    `level`: 29 for 10% at 95%."""
+    return math.ceil(math.log(1 - level) / math.log(1 - rate) - 1e-9)
+
+
+def round_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The ratio a/b of two variants timed in alternating rounds (runner/compare/interleave.py's
+    `alternate`: one order on even rounds, the other on odd ones): the geometric mean of the two
+    orders' geometric means of per-round ratios, each order weighted alike, so that drift that
+    favours whichever runs first (or second) cancels with any count of rounds, odd included."""
+    logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
+    orders = [statistics.fmean(logs[start::2]) for start in (0, 1) if logs[start::2]]
+    return math.exp(statistics.fmean(orders))
 
 
 def satterthwaite(parts: list[tuple[float, int]]) -> float:
@@ -132,12 +182,17 @@ def mean_ci(values, level: float = CONFIDENCE) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def spread(logs) -> tuple[float, int]:
-    """The variance of the mean of `logs` and its degrees of freedom: (NaN, 0) under two."""
+def spread(logs, alternating: bool = False) -> tuple[float, int]:
+    """The variance of the mean of `logs` and its degrees of freedom: (NaN, 0) under two.
+    `alternating`: logs of alternating rounds, averaged as `round_ratio` averages them (each
+    order's mean weighted alike): with n₀ and n₁ rounds of each order, its variance is
+    σ²(1/n₀ + 1/n₁)/4, σ²/n for an even count, 0.375σ² at 3 rounds (not σ²/3)."""
     logs = finite(logs)
     if len(logs) < 2:
         return math.nan, 0
-    return statistics.variance(logs) / len(logs), len(logs) - 1
+    n = len(logs)
+    share = (1 / ((n + 1) // 2) + 1 / (n // 2)) / 4 if alternating else 1 / n
+    return statistics.variance(logs) * share, n - 1
 
 
 def log_interval(
@@ -164,5 +219,5 @@ def ratio_ci(ratios, level: float = CONFIDENCE, times: float = 1.0, timing=()) -
     logs = [math.log(r) for r in finite(ratios) if r > 0]
     if not logs or not times > 0:
         return math.nan, math.nan, math.nan
-    parts = [spread(logs)] + ([spread(timing)] if len(timing) else [])
+    parts = [spread(logs)] + ([spread(timing, alternating=True)] if len(timing) else [])
     return log_interval(statistics.fmean(logs) + math.log(times), parts, level)

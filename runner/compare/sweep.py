@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from runner import console, sweep_folder
 from runner.compare import capacity, dashboard, finetune, incomplete, report, seeds
+from runner.compare.crossing import diverged_evaluation
 from runner.compare.groups import Group, closest, completed, memory_figure, scales_loss
 from runner.compare.jobs import Job, load_sweep, others_line
 from runner.compare.stats import CONFIDENCE, as_float, quartiles
@@ -30,7 +31,7 @@ from runner.compare.verdicts import judge
 from runner.config import RunnerConfig
 from runner.config.schema import CompareConfig
 from runner.errors import UserError, fail
-from runner.summary_aliases import converted_section
+from runner.summary_aliases import converted_share
 
 TOLERANCE = CompareConfig.tolerance  # compare.tolerance's default
 MAX_SKIPPED_SHARE = 0.5
@@ -111,8 +112,7 @@ def _job_figures(job: Job, base: Job | None) -> None:
         "final_loss_scale": as_float(s.get("final_loss_scale")),
         "mfu": as_float(s.get("mfu")),
         "low_precision_flop_share": as_float(s.get("low_precision_flop_share")),
-        # fp8, mxfp8, nvfp4, mxfp4: the share its converted Linears computed in the mode's format
-        "converted_flop_share": as_float(converted_section(s).get("converted_flop_share")),
+        "converted_flop_share": as_float(converted_share(s)),
         **capacity.job_figures(s),
         **finetune.job_figures(s),
     }
@@ -142,6 +142,9 @@ def _job_figures(job: Job, base: Job | None) -> None:
     ):
         f["health"] = "diverged"
         job.verdict = "diverged: the loss became inf/NaN — not recommended"
+    elif bad := diverged_evaluation(job):
+        f["health"] = "diverged"
+        job.verdict = f"diverged: its {bad} — not recommended"
     elif steps and skipped / steps > MAX_SKIPPED_SHARE:
         # fp16 skips on overflow by design; elsewhere a skip means a non-finite gradient.
         f["health"] = "overflow" if scales_loss(job.precision) else "diverged"
@@ -157,11 +160,13 @@ def analyse(
     timings: dict | None = None,
     spec: TargetSpec | None = None,
     level: float = CONFIDENCE,
+    first: frozenset | None = None,
 ) -> list[Group]:
     """Fill each job's figures (against its row's baseline job of the same seed) and health,
     then each row's figures and verdict (runner/compare/verdicts.py: a loss within `tolerance` of the
     baseline's is the same convergence; the speed from `timings` where given, by row identity,
-    see runner/compare/interleave.py; every interval at confidence `level`)."""
+    see runner/compare/interleave.py; every interval at confidence `level`; `first`: a
+    runner.seeds=auto sweep's first look's seeds, runner/compare/seeds.py)."""
     for g in groups:
         for job in g.jobs:
             seed = job.config.get("seed")
@@ -171,13 +176,14 @@ def analyse(
                 if j.config.get("seed") == seed and j.summary.get("status") == "completed"
             )
             _job_figures(job, job if g.base is g else next(twins, None))
-    judge(groups, tolerance, timings, spec, level)
+    judge(groups, tolerance, timings, spec, level, first)
     return groups
 
 
-def _settings(jobs: list[Job]) -> RunnerConfig:
-    """The sweep's runner block (from its first job that has one), defaults for missing keys."""
-    block = next((j.config["runner"] for j in jobs if j.config.get("runner")), {})
+def _settings(jobs: list[Job], given: dict | None = None) -> RunnerConfig:
+    """The sweep's runner block: the command's (`given`, a rerun's runner.max_seeds included),
+    else its first job's that has one; defaults for missing keys."""
+    block = given or next((j.config["runner"] for j in jobs if j.config.get("runner")), {})
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunnerConfig), block))
 
 
@@ -203,23 +209,24 @@ def compare(
     speed: str | None = None,
     target: dict | None = None,
     look: set[int] | None = None,
+    runner: dict | None = None,
 ) -> list[Group]:
     """The comparison of a sweep, written, shown and logged: one group per row. `speed`: jobs
     or interleaved; None: as the sweep's runner.speed says. `target`: compare.target,
     target_metric, target_direction over the sweep's own (runner/compare/target.py);
     `tolerance`: over its compare.tolerance. `look`: the later rounds this process ran, where
     this is a look of a runner.seeds=auto sweep, which, where a round follows, is written and
-    said in a line a row, not shown or logged (runner/compare/seeds.py)."""
+    said in a line a row, not shown or logged (runner/compare/seeds.py); `runner`: the
+    command's runner block, over the one its jobs recorded."""
     jobs = load_sweep(sweep_dir)
-    settings = _settings(jobs)
+    settings = _settings(jobs, runner)
     spec, tolerance = _target(jobs, (target or {}) | {"tolerance": tolerance})
     groups = group(jobs)
     timings = None
     if (speed or settings.speed) == "interleaved":
-        from runner.compare.interleave import time_sweep  # torch: only when it times
-
-        timings = time_sweep(groups, settings)
-    analyse(groups, tolerance, timings, spec, seeds.level(settings))
+        timings = seeds.timings(groups, settings, sweep_dir, look)
+    level, first = seeds.level(settings, groups), seeds.first_look(jobs, settings)
+    analyse(groups, tolerance, timings, spec, level, first)
     seeds.stopped(groups, settings)
     paths = report.write(groups, sweep_dir)
     if look is not None and seeds.next_round(groups, look) is not None:
@@ -241,8 +248,9 @@ class CompareCallback(Callback):
 
     failed_jobs = 0
     refused = False  # a job was refused its folder (runner/folders.py): the command exits 2
-    next_round: tuple | None = None  # runner.seeds=auto: (seed, values kept, the sweep folder)
+    next_round: tuple | None = None  # runner.seeds=auto: (seed, its blocks, the sweep folder)
     ran: set[int] = set()  # the later rounds' seeds this process ran (runner/__main__.py)
+    deferred = False  # a round's block that another follows: the look waits for the last
 
     def on_multirun_start(self, config, **kwargs) -> None:
         """The sweep folder taken for this command (runner/folders.py): refused in one line,
@@ -262,9 +270,12 @@ class CompareCallback(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from runner.train.distributed import from_env
+        from runner.train.preemption import between_jobs
 
-        if not from_env().main:  # under torchrun, rank 0 compares
+        if not from_env().main or CompareCallback.deferred:  # under torchrun, rank 0 compares
             return
+        if config.runner.seeds == "auto":  # a signal at its look stops it before the next round
+            between_jobs()
         sweep = Path(config.hydra.sweep.dir)
         for line in sweep_folder.refusals(sweep):
             print(f"error: {line}", file=sys.stderr)
@@ -274,7 +285,8 @@ class CompareCallback(Callback):
             CompareCallback.failed_jobs = sum(j.summary.get("status") != "completed" for j in jobs)
             given = OmegaConf.to_container(config.compare) if config.get("compare") else None
             ran = CompareCallback.ran if config.runner.seeds == "auto" else None
-            groups = compare(sweep, speed=config.runner.speed, target=given, look=ran)
+            runner = OmegaConf.to_container(config.runner, resolve=True)
+            groups = compare(sweep, speed=runner["speed"], target=given, look=ran, runner=runner)
             following = ran is not None and seeds.next_round(groups, ran)
             CompareCallback.next_round = following and (*following, str(sweep.absolute()))
             if following:

@@ -62,18 +62,21 @@ def _status(results: list[dict]) -> str:
     statuses = [r["status"] for r in results]
     if not statuses or all(s == "no curve" for s in statuses):
         return "no curve"
-    for status in ("not reached", "no curve", "too sparse"):
+    for status in ("diverged", "not reached", "no curve", "too sparse"):
         if status in statuses:
             return status
     return "reached"
 
 
-def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
+def measure(
+    groups: list[Group], spec: TargetSpec, tolerance: float, first: frozenset | None = None
+) -> None:
     """Every row's time-to-target figures (FIGURES and their intervals, `target`,
     `target_status`, ...), each job's in `job.reach`. Rows first measure themselves, then
-    each is paired with its baseline's job of the same seed."""
+    each is paired with its baseline's job of the same seed. `first`: a runner.seeds=auto
+    sweep's first look's seeds, the only ones a default target is taken from."""
     for g in groups:
-        value, source = choose(g.base, spec, tolerance)
+        value, source = choose(g.base, spec, tolerance, first)
         f = g.figures
         f |= {
             "target": value if math.isfinite(value) else math.nan,
@@ -85,6 +88,8 @@ def measure(groups: list[Group], spec: TargetSpec, tolerance: float) -> None:
         for key in ("steps_to_target", "time_to_target_s", "time_to_target_speedup"):
             f[f"{key}_ci_low"] = f[f"{key}_ci_high"] = math.nan
         f["steps_to_target_ratio_ci_low"] = f["steps_to_target_ratio_ci_high"] = math.nan
+        # the seeds each paired figure used: those both it and the baseline's twin timed
+        f["steps_to_target_ratio_pairs"] = f["time_to_target_speedup_pairs"] = 0
         f |= {"target_status": "no target", "time_source": None, "evals_before_target": None}
         f |= {"target_seeds_reached": 0, "target_sparse_seed": None, "target_missed_seeds": []}
         if not math.isfinite(value):
@@ -182,15 +187,20 @@ def _paired(g: Group) -> None:
     f["steps_to_target_ratio"], *ends = ratio_ci(ratios, level)
     f["steps_to_target_ratio_ci_low"], f["steps_to_target_ratio_ci_high"] = ends
     key = "time_to_target_speedup"
+    inverse = [1 / r for r in ratios if r]
     if interleaved:  # the rounds' speedup (drift cancels) over the steps ratio: both spreads
         ours, theirs = _rounds(f), _rounds(base.figures)
         timing = [a - b for a, b in zip(ours, theirs, strict=True)] if ours and theirs else []
-        inverse = [1 / r for r in ratios if r]
         f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(
             inverse, level, f["speedup"], timing
         )
     else:
         f[key], f[f"{key}_ci_low"], f[f"{key}_ci_high"] = ratio_ci(speedups, level)
+    for name, values in (
+        ("steps_to_target_ratio", ratios),
+        (key, inverse if interleaved else speedups),
+    ):
+        f[f"{name}_pairs"] = len([v for v in values if math.isfinite(v) and v > 0])
 
 
 def interval_for(g: Group) -> int:
@@ -236,7 +246,12 @@ COLUMNS = [
     ("steps ratio", "steps_to_target_ratio", "{:.2f}×"),
     ("tokens to target", "tokens_to_target", "{:.0f}"),
 ]
-UNTIMED = {"not reached": "not reached", "too sparse": "untested", "no curve": "untested"}
+UNTIMED = {
+    "diverged": "diverged",
+    "not reached": "not reached",
+    "too sparse": "untested",
+    "no curve": "untested",
+}
 
 
 def columns(groups: list[Group]) -> list[tuple[str, str, str]]:
@@ -255,6 +270,9 @@ def cell(g: Group, key: str) -> str | None:
     "untested" for a curve too sparse or missing); None where the figure is to be shown."""
     status = g.figures.get("target_status")
     if key in {k for _, k, _ in COLUMNS} | {"samples_to_target"} and status in UNTIMED:
-        if status == "not reached" or key in ("time_to_target_s", "time_to_target_speedup"):
+        if status in ("not reached", "diverged") or key in (
+            "time_to_target_s",
+            "time_to_target_speedup",
+        ):
             return UNTIMED[status]
     return None

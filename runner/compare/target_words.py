@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 
 def _target_problem(g: Group) -> str:
     """Why a row that never reached the target cannot be recommended ("" where it did, or where
-    there is nothing to reach): however fast its steps, it never gets there."""
+    there is nothing to reach): however fast its steps, it never gets there. Its seeds whose
+    baseline twin missed the target too do not count: that target is the baseline's problem
+    (`_target_untested` names the twin)."""
     f = g.figures
     if g.base is None or g is g.base or f["target_status"] != "not reached":
+        return ""
+    if not set(f["target_missed_seeds"]) - set(g.base.figures["target_missed_seeds"]):
         return ""
     gap = (f["target_closest"] - f["target"]) / abs(f["target"] or 1.0)
     metric = f["target_metric"].replace("_", " ")
@@ -35,39 +39,56 @@ def _target_problem(g: Group) -> str:
 
 def _target_untested(g: Group) -> str | None:
     """Why the time to target of a row fit for a recommendation cannot be told (None where it
-    can): no target or no eval curve, a baseline that never reached it, or evaluations too
-    sparse to time the crossing, with the trainer.val_check_interval that would."""
-    f, b = g.figures, g.base.figures
+    can): no target or no eval curve, a baseline seed it pairs with that never reached it, or
+    evaluations too sparse to time the crossing, with the trainer.val_check_interval that
+    would. Of the baseline, only its seeds the row ran count (an auto sweep's later seeds, run
+    for other rows, cannot reopen this one)."""
+    f = g.figures
     metric = f["target_metric"]
     if f["target_status"] == "no target":
         return f"time to target untested: {f['target_from']}"
-    if "no curve" in (f["target_status"], b["target_status"]):
+    seeds = {j.config.get("seed") for j in g.counted}
+    twins = [j for j in g.base.counted if j.config.get("seed") in seeds]
+    status = {
+        x: [j for j in jobs if getattr(j, "reach", None)]
+        for x, jobs in ((g.base, twins), (g, g.counted))
+    }
+    if f["target_status"] == "no curve" or any(
+        j.reach["status"] == "no curve" for j in status[g.base]
+    ):
         return (
             f"time to target untested: no {metric} evaluated during training "
             "(trainer.val_check_interval)"
         )
-    if b["target_status"] == "not reached":
-        return f"time to target untested: {missed(g.base)}"
-    sparse = [x for x in (g.base, g) if x.figures["target_status"] == "too sparse"]
+    if set(g.base.figures["target_missed_seeds"]) & seeds:  # a baseline seed it pairs with
+        return f"time to target untested: {missed(g.base, seeds)}"
+    sparse = [
+        (x, j) for x, jobs in status.items() for j in jobs if j.reach["status"] == "too sparse"
+    ]
     if sparse:
-        x = sparse[0]
-        n = x.figures["evals_before_target"]
+        x, job = sparse[0]
         return (
-            f"time to target untested: evaluations too sparse to time it ({n} before the target "
-            f"in {x.label}, seed {x.figures['target_sparse_seed']}; at least "
-            f"{crossing.MIN_EVALS} needed): set trainer.val_check_interval="
-            f"{target.interval_for(g)} or less"
+            f"time to target untested: evaluations too sparse to time it "
+            f"({job.reach['evals_before']} before the target in {x.label}, seed "
+            f"{job.config.get('seed')}; at least {crossing.MIN_EVALS} needed): set "
+            f"trainer.val_check_interval={target.interval_for(g)} or less"
         )
     if not math.isfinite(f["time_to_target_speedup"]):
+        if not twins:  # a ratio is per seed, against its twin
+            return (
+                f"time to target untested: none of its seeds ran in {_name(g.base)} too, and "
+                "its ratio is taken seed by seed: run the baseline's seeds"
+            )
         return "time to target untested: no step time to take it by"
     return None
 
 
-def missed(base: Group) -> str:
-    """The baseline's seeds that never reached the target, named, with the closest they came."""
+def missed(base: Group, among: set | None = None) -> str:
+    """The baseline's seeds that never reached the target (of those `among`, where given),
+    named, with the closest they came."""
     f = base.figures
-    seeds = ", ".join(str(s) for s in f["target_missed_seeds"])
-    which = f"seed {seeds}" if len(f["target_missed_seeds"]) == 1 else f"seeds {seeds}"
+    seeds = [s for s in f["target_missed_seeds"] if among is None or s in among]
+    which = ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
     return (
         f"{_name(base)} {which} never reached the target {f['target']:.4g} (best "
         f"{f['target_closest']:.4g}): set compare.target no further than that"
@@ -76,10 +97,11 @@ def missed(base: Group) -> str:
 
 def _ci_of(f: dict, key: str) -> str:
     low, high = f[f"{key}_ci_low"], f[f"{key}_ci_high"]
-    if not math.isfinite(low):
-        return "one seed" if f["seeds"] == 1 else "no interval"
-    level, n = percent(f["confidence"]), f["target_seeds_reached"]
-    return f"{level} CI {low:.2f}× to {high:.2f}×, {n} seeds paired"
+    level, n = percent(f["confidence"]), f[f"{key}_pairs"]
+    if not math.isfinite(low):  # one pair: no interval, whatever the row's seeds
+        paired = f"{n} of its {f['seeds']} seeds paired with the baseline's"
+        return "one seed" if f["seeds"] == 1 else f"{paired}: untested against seed noise"
+    return f"{level} CI {low:.2f}× to {high:.2f}×, {n} seeds paired, assuming normal log ratios"
 
 
 def speed_class(f: dict) -> str:

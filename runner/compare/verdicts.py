@@ -6,12 +6,13 @@ seed's median for the rest), its divergence rate (the share of seeds that failed
 overflowed), and its loss against the baseline's, on the eval loss where every good seed of both
 has one, else the final training loss:
 
-- with 2+ seeds that both rows ran, the difference of the means relative to the baseline's mean
-  (`loss_gap`) and its interval, paired: Student's t on the per-seed differences (a seed's own
-  luck cancels); where the seeds do not pair, Welch's t over 2+ good seeds a side. The words
-  follow the interval against the tolerance (loss_gap.py's loss_class): worse beyond it,
-  equivalent within it at both ends, untested where it holds the tolerance (more seeds would
-  tell). `gap_in_spreads` is the gap in units of the pooled seed-to-seed spread (at least
+- with 2+ seeds that both rows ran, the geometric mean of the per-seed loss ratios less 1
+  (`loss_gap`) and its interval, paired: Student's t on the log ratios (a seed's own luck
+  cancels); where the seeds do not pair, Welch's t on the log losses over 2+ good seeds a side.
+  The words follow the interval and each seed's own gap against the tolerance (loss_gap.py's
+  loss_class): worse beyond it (the interval, or any one seed), equivalent where the interval
+  and every seed lie within it, untested where the interval holds it (more seeds would tell).
+  `gap_in_spreads` is the gap in units of the pooled seed-to-seed spread (at least
   SPREAD_FLOOR of the loss).
 - with one seed, the relative gap of the eval loss where both have one, else of the smoothed
   final training loss; untested against seed noise, and worse beyond the tolerance.
@@ -23,6 +24,10 @@ was not measured (under two steady logging intervals) is untested, never "faster
 comes from each job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved,
 from the rows timed again side by side in one process (runner/compare/interleave.py; "interleaved":
 medians and IQR over rounds, the speedup the median of per-round ratios to the baseline).
+
+A speed timed while another process held the run's cores (`speed_contended`, in a job's
+summary.json or in the interleaved rounds: runner/measure/contention.py) is untested, its row
+named with what it got and how to time it cleanly; where the baseline's was, every row's is.
 
 A step too small to show a precision effect is never recommended on its speed either. A
 precision speeds up the matmuls and convolutions only, so the share of the baseline's step they
@@ -38,8 +43,16 @@ import re
 
 from runner.compare import capacity, projected, target
 from runner.compare.groups import Group, own_figures
-from runner.compare.loss_gap import LOSS_GAP, _gap, _loss_words, _name, _problem, gaps_to_bf16
-from runner.compare.stats import CONFIDENCE, median_ratio
+from runner.compare.loss_gap import (
+    LOSS_GAP,
+    SEED_GAPS,
+    _gap,
+    _loss_words,
+    _name,
+    _problem,
+    gaps_to_bf16,
+)
+from runner.compare.stats import CONFIDENCE, round_ratio
 from runner.compare.target_words import (
     _target_problem,
     _target_untested,
@@ -47,6 +60,7 @@ from runner.compare.target_words import (
     missed,
     speed_class,
 )
+from runner.train.speed import HOW_TO_TIME, QUIETLY
 
 MIN_SPEEDUP = 1.05  # below this, a mode is not worth its risk over fp32
 # The least share of the baseline's step its FLOPs take at the device's matmul peak
@@ -83,15 +97,20 @@ def _inside_spread(g: Group, base: Group) -> bool | None:
     return abs(a["samples_per_s"] - b["samples_per_s"]) <= spread if math.isfinite(spread) else None
 
 
-def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
+def _recommend(fit: list[Group], base: Group, tolerance: float, unfit: list[Group]) -> None:
     """Verdicts of the groups fit for a recommendation, ranked by time to target: of the
     measurably faster ones whose step is large enough to tell, the fastest to the target wins,
     at least MIN_SPEEDUP there (and, over seeds, its interval clear of 1); a speed whose spread
-    is unmeasured, or a time to target that cannot be told, is untested."""
+    is unmeasured, or a time to target that cannot be told, is untested. `unfit`: the rows
+    its verdicts already refuse (a loss worse or untested, ...): the faster of them named."""
     inside = {g: _inside_spread(g, base) for g in fit}
     small = {g for g in fit if g is not base and g.figures["too_small_to_tell"]}
     emulated = {g for g in fit if g is not base and g.figures["speed_emulated"]}
     untimed = {g for g in fit if g is not base and inside[g] is None} - emulated
+    shared = base.figures["speed_contended"]  # the baseline's: every ratio to it is untested
+    contended = {
+        g for g in fit if g is not base and (shared or g.figures["speed_contended"])
+    } - emulated
     untested = {g: _target_untested(g) for g in fit if g is not base}
     fast = [
         g
@@ -99,7 +118,7 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
         if g is not base
         and g.figures["speedup"] >= MIN_SPEEDUP
         and inside[g] is False
-        and not {g} & (small | emulated)
+        and not {g} & (small | emulated | contended)
     ]
     to_target = [
         g
@@ -116,23 +135,25 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
                     "" if best is not base else "; no mode is recommended"
                 )
                 continue
-            unknown = small or untimed or emulated or any(untested.values())
+            unknown = small or untimed or emulated or contended or any(untested.values())
             shown = "shown to be faster" if unknown else "faster"
+            fast = [x.label for x in unfit if x.figures["speedup"] >= MIN_SPEEDUP]
+            but = f" but {', '.join(fast)}, not recommended" if fast else ""
             g.verdict = "baseline" + (
-                f" — recommended: no mode is {shown} here" if best is base else ""
+                f" — recommended: no mode is {shown} here{but}" if best is base else ""
             )
             continue
         x, f = g.figures["speedup"], g.figures
         source = "interleaved timing" if f["speed_source"] == "interleaved" else "per-job timing"
         speed = (
-            f"{x:.2f}× {'faster' if x >= 1 else 'the speed'} ({source})"
+            f"{x:.2f}× {'faster' if x >= 1 and g not in contended else 'the speed'} ({source})"
             if math.isfinite(x)
             else f"speed unmeasured ({source})"
         )
         f = g.figures
         measured = untested[g] is None
         head = (
-            _to_target(g, speed, source, bool({g} & (emulated | small | untimed)))
+            _to_target(g, speed, source, bool({g} & (emulated | small | untimed | contended)))
             if measured
             else speed
         )
@@ -146,6 +167,13 @@ def _recommend(fit: list[Group], base: Group, tolerance: float) -> None:
                 f"its {g.precision} matmuls ran in fp32 on this CPU (precision.cpu_kernels)",
             )
             tail = f"speed emulated: {how}, so it tells nothing of its own speed"
+        elif g in contended:
+            who = base if shared else g
+            how = QUIETLY if who.figures["speed_source"] == "interleaved" else HOW_TO_TIME
+            tail = (
+                f"speed untested: {_name(who)} ran contended ({who.figures['contention']}); "
+                f"for a clean figure, {how}"
+            )
         elif g in small:
             share = base.figures["mfu"]
             tail = f"too small to tell: {_name(base)}'s FLOPs are {share:.2%} of its step at peak"
@@ -176,15 +204,19 @@ def judge(
     timings: dict | None = None,
     spec: target.TargetSpec | None = None,
     level: float = CONFIDENCE,
+    first: frozenset | None = None,
 ) -> None:
     """Each group's figures (against its baseline, `g.base`) and verdict; `timings`, by the
     row's key: the speed of the rows timed interleaved (runner/compare/interleave.py); `spec`:
     the target each row is timed to (runner/compare/target.py; default: the baseline's final
-    eval loss within `tolerance`); `level`: the confidence of every interval."""
+    eval loss within `tolerance`); `level`: the confidence of every interval; `first`: a
+    runner.seeds=auto sweep's first look's seeds, which the default target and each row's
+    own speed come from (runner/compare/seeds.py)."""
     timings = timings or {}
     for g in groups:
-        g.figures = own_figures(g, timings.get(g.key)) | {"confidence": level, "undecided": None}
-    target.measure(groups, spec or target.TargetSpec(), tolerance)
+        figures = own_figures(g, timings.get(g.key), first)
+        g.figures = figures | {"confidence": level, "undecided": None}
+    target.measure(groups, spec or target.TargetSpec(), tolerance, first)
     for g in groups:
         base, f = g.base, g.figures
         f["too_small_to_tell"], f["note"] = _too_small(base) if base else (None, None)
@@ -193,7 +225,7 @@ def judge(
             b = base.figures
             ours, theirs = timings.get(g.key), timings.get(base.key)  # timed in the same rounds
             f["speedup"] = (
-                median_ratio(ours["samples_per_s_rounds"], theirs["samples_per_s_rounds"])
+                round_ratio(ours["samples_per_s_rounds"], theirs["samples_per_s_rounds"])
                 if ours and theirs
                 else f["samples_per_s"] / b["samples_per_s"]
             )
@@ -203,13 +235,15 @@ def judge(
         else:  # the same keys in every row
             f |= dict.fromkeys(("speedup", "memory_saving", "gap_in_spreads"), math.nan)
             f["max_batch_vs_fp32"] = math.nan
-            f |= dict.fromkeys(LOSS_GAP, math.nan)
-            f["gap_metric"] = None
+            f |= dict.fromkeys(LOSS_GAP + SEED_GAPS, math.nan)
+            f["gap_metric"] = f["gap_fallback"] = None
         g.verdict = _problem(g, tolerance) or _target_problem(g)
     gaps_to_bf16(groups)  # a figure beside the verdicts, which stay against fp32
     target.pair(groups)  # against the baselines' step speedups, set just above
     for base in {g.base for g in groups if g.base is not None}:
-        _recommend([g for g in groups if g.base is base and not g.verdict], base, tolerance)
+        rows = [g for g in groups if g.base is base]
+        unfit = [g for g in rows if g.verdict and g is not base]
+        _recommend([g for g in rows if not g.verdict], base, tolerance, unfit)
         if base.precision != "fp32":
             note = f"no fp32 run in this setting: its rows are compared with {base.label}"
             for g in groups:

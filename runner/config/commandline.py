@@ -28,7 +28,7 @@ _HYDRA_INFO_FLAGS = (
     "-cd",
 )
 MAX_PREFLIGHT_JOBS = 64
-ROUND = "seed{seed}-"  # a runner.seeds=auto round's job folders: seed<S>-<job number>
+ROUND = "seed{seed}-"  # a runner.seeds=auto round's job folders: seed<S>-<job number>, seed<S>-<block>-<job number> where a round has several
 
 
 def one_line(e: BaseException) -> str:
@@ -106,6 +106,26 @@ def is_multirun(args: list[str]) -> bool:
     return False
 
 
+# Command-line keys that stand for another: precision.autopilot=true is the switch of the
+# autopilot whose settings sit under the same key (precision.autopilot.every_n_steps=...)
+ALIASES = {"precision.autopilot": "precision.autopilot.enabled"}
+
+
+def with_aliases(args: list[str]) -> list[str]:
+    """The command line with each alias's key (`ALIASES`) written as the key it stands for."""
+    out = []
+    for arg in args:
+        prefix, key, rest = re.match(r"^([+~]*)([^=]*)(.*)$", arg).groups()
+        out.append(prefix + ALIASES.get(key, key) + rest if rest.startswith("=") else arg)
+    return out
+
+
+def normalized(args: list[str]) -> list[str]:
+    """The command line as the runner composes it: each alias's key written out (`ALIASES`),
+    then runner.seeds=N as a seed sweep (`with_seeds`)."""
+    return with_seeds(with_aliases(args))
+
+
 def with_seeds(args: list[str]) -> list[str]:
     """The command line with `runner.seeds=N` (N > 1) as a seed sweep, `seed=S,S+1,...,S+N-1`
     from the `seed=S` given (else 0): every job of the multirun then runs once per seed;
@@ -139,24 +159,27 @@ def with_seeds(args: list[str]) -> list[str]:
     return [a for a in args if a != (seed.input_line if seed else None)] + [sweep]
 
 
-def seed_round(args: list[str], seed: int, keep: dict[str, set[str]], sweep_dir: str) -> list[str]:
-    """The next round of a `runner.seeds=auto` sweep (runner/compare/seeds.py): the command
-    line with one seed, `seed`, each swept key narrowed to the values in `keep` (those of the
-    rows still undecided and their baselines), in the same sweep folder, in job folders of
-    their own (seed<S>-<job number>)."""
-    out = []
-    for arg in args:
-        key = arg.lstrip("+~").partition("=")[0]
-        if key in ("seed", "hydra.sweep.dir", "hydra.sweep.subdir"):
-            continue
-        if key in keep and not arg.startswith("-"):
-            (o,) = _parse([arg])
-            if o.is_sweep_override():
-                values = [v for v in o.sweep_string_iterator() if v in keep[key]]
-                arg = f"{o.get_key_element()}={','.join(values)}"
-        out.append(arg)
-    subdir = ROUND.format(seed=seed) + "${hydra.job.num}"
-    return [*out, f"seed={seed}", f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={subdir}"]
+def seed_round(args: list[str], seed: int, blocks: list, sweep_dir: str) -> list[list[str]]:
+    """The next round of a `runner.seeds=auto` sweep (runner/compare/seeds.py's next_round):
+    a command line a block, each the command with one seed, `seed`, each key it sweeps
+    narrowed to the block's values and each key the config's hydra.sweeper.params sweeps set
+    to them, in the same sweep folder, in job folders of the block's name (seed<S>-...): the
+    lines' cross products are the round's jobs, no other."""
+    lines = []
+    for name, values in blocks:
+        given = {key.lstrip("+~"): f"{key}={','.join(v)}" for key, v in values.items()}
+        line = []
+        for arg in args:
+            key = arg.lstrip("+~").partition("=")[0]
+            if key in ("seed", "hydra.sweep.dir", "hydra.sweep.subdir"):
+                continue
+            ours = given.pop(key, None)
+            swept = ours and not arg.startswith("-") and _parse([arg])[0].is_sweep_override()
+            line.append(ours if swept else arg)
+        line += given.values()
+        place = [f"seed={seed}", f"hydra.sweep.dir={sweep_dir}", f"hydra.sweep.subdir={name}"]
+        lines.append([*line, *place])
+    return lines
 
 
 def sweep_keys(args: list[str]) -> list[str]:

@@ -15,6 +15,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.config.autopilot import AutopilotConfig
+
 # bf16_true: how an update goes into a bf16 weight (runner/precision/bf16_true.py)
 BF16_UPDATES = ("plain", "stochastic_rounding", "kahan")
 CPU_KERNELS = ("auto", "fast", "native")  # precision.cpu_kernels
@@ -160,6 +162,8 @@ class PrecisionConfig:
     recipe: str | None = None
     fp8: Fp8Config = field(default_factory=Fp8Config)  # precision=fp8 (conf/precision/fp8.yaml)
     fp4: Fp4Config = field(default_factory=Fp4Config)  # precision=nvfp4, mxfp4
+    # Each converted Linear's format chosen during the run (runner/precision/autopilot.py)
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
 
 
 @dataclass
@@ -192,6 +196,9 @@ class TrainerConfig:
     resume_across_precision: bool = False
     max_consecutive_nonfinite: int = 25  # skipped/non-finite steps in a row before the run stops
     device: str = "auto"
+    # torch's CPU threads: null = those of the cores this process may use that other processes
+    # leave free (runner/train/threads.py); N = N threads.
+    cpu_threads: int | None = None
     # With several ranks (torchrun): ddp (replicated weights) or fsdp (FSDP2, sharded weights).
     strategy: str = "ddp"
     compile: bool = False  # torch.compile the task's forward and loss (the backward follows)
@@ -233,9 +240,12 @@ class RunnerConfig:
     islands_max: int = 4
     islands_steps: int = 50
     # The recipe search (python -m runner.recipe): at most recipe_max module × direction units
-    # kept in bf16, each verification run the first recipe_steps optimizer steps.
+    # kept in bf16, each verification run the first recipe_steps optimizer steps; its bf16
+    # reference on recipe_seeds seeds (seed, seed+1, ...), whose spread is the noise its verdicts
+    # know (1: none measured).
     recipe_max: int = 6
     recipe_steps: int = 200
+    recipe_seeds: int = 2
     # Before training, the largest per-device micro-batch (and, for token data, the longest
     # sequence) that fits memory_budget_gb, measured (runner/answers/max_batch.py); training then
     # runs as configured.

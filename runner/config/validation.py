@@ -100,6 +100,8 @@ def _validate_trainer(t) -> None:
     )
     warmup = t.benchmark.warmup_steps
     require(warmup >= 0, "trainer.benchmark.warmup_steps", warmup, "must be ≥ 0")
+    threads = t.cpu_threads
+    require(threads is None or threads >= 1, "trainer.cpu_threads", threads, "null or ≥ 1")
     for key in ("val_check_interval", "limit_val_batches", "checkpoint_every_n_steps"):
         require(t[key] >= 0, f"trainer.{key}", t[key], "must be ≥ 0")
     require(
@@ -150,6 +152,7 @@ def _validate_runner(cfg: DictConfig) -> None:
         ("islands_steps", 1),
         ("recipe_max", 1),
         ("recipe_steps", 1),
+        ("recipe_seeds", 1),
     ):
         if r[key] != "auto":
             require(r[key] >= least, f"runner.{key}", r[key], f"must be ≥ {least}")

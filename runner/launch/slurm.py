@@ -79,6 +79,29 @@ def partition_nodes(partition: str | None) -> tuple[str, list[Node]]:
     return name, nodes[name]
 
 
+# slurmctld looks at time limits this often, and sends a job's warning signal at the first look
+# that finds it within signal_delay_s of its end: up to this much early.
+TIME_LIMIT_LOOK_S = 30
+STARTUP_LEAD_S = 60  # what a job's start (Python, torch, the model, the data) is given
+
+
+def early_signal(params: dict) -> str | None:
+    """A warning where the time-limit signal (`--signal=USR2@signal_delay_s`) may come while a
+    job is still starting, before any handler can catch it: the job then dies of it, FAILED."""
+    limit_s = (params.get("timeout_min") or 0) * 60
+    delay_s = params.get("signal_delay_s") or 0
+    lead_s = limit_s - delay_s - TIME_LIMIT_LOOK_S
+    if not (limit_s and delay_s) or lead_s >= STARTUP_LEAD_S:
+        return None
+    return (
+        f"warning: hydra.launcher.timeout_min={params.get('timeout_min')} with "
+        f"signal_delay_s={delay_s}: SLURM looks at time limits every {TIME_LIMIT_LOOK_S} s, so "
+        f"its SIGUSR2 may come {max(lead_s, 0)} s after a job starts, before the job can catch "
+        f"it (it then ends FAILED); leave timeout_min×60 ≥ signal_delay_s + "
+        f"{TIME_LIMIT_LOOK_S + STARTUP_LEAD_S}"
+    )
+
+
 def check_request(params: dict) -> None:
     """The launcher's request (hydra.launcher.*) against the partition's nodes: a request no node
     can meet would pend for ever (PartitionConfig, Resources). Raises UserError naming the key,

@@ -34,6 +34,8 @@ def launch(launcher, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         fail(e)
     except slurm.SlurmError as e:
         fail(UserError(f"cannot submit to SLURM: {e}"))
+    if early := slurm.early_signal(launcher.params):
+        say(early)
     no_accounting = slurm.accounting()
     if no_accounting:
         say(

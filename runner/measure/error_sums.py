@@ -46,9 +46,11 @@ def _fp32(b: Tensor, cols: int) -> list[tuple[slice, Tensor]]:
 
 def product_sums(run: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """[Σ ref², Σ (run − ref)²] in float64 of ref = a·bᵀ in fp32 (a: m × k, b: n × k, run: m × n,
-    what the run computed), a block of rows at a time. With `bias` (n), the reference adds it as
-    the layer does and both take it away again: the product's own error. Where a is fp32 and b is
-    not, the transposed product (b·aᵀ against runᵀ), so that the whole operand needs no copy."""
+    what the run computed), a block of rows at a time. With `bias` (n), ref = a·bᵀ + bias, the
+    whole output the run rounded: the output's rounding is at the bias's magnitude, which a
+    product taken out of it (run − bias) would be charged with, far above a small product's own.
+    Where a is fp32 and b is not, the transposed product (b·aᵀ against runᵀ), so that the whole
+    operand needs no copy."""
     if bias is None and a.dtype == torch.float32 and b.dtype != torch.float32:
         run, a, b = run.t(), b, a
     bias = None if bias is None else bias.float()
@@ -60,7 +62,6 @@ def product_sums(run: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None) 
             if bias is None:
                 ref = a32 @ b32.float().t()
             else:
-                ref = torch.addmm(bias[cols], a32, b32.float().t()) - bias[cols]
-                got = got - bias[cols]
+                ref = torch.addmm(bias[cols], a32, b32.float().t())
             sums += torch.stack([ref.double().square().sum(), (got - ref).double().square().sum()])
     return sums

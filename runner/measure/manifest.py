@@ -99,10 +99,13 @@ def _held(ran: str, planned: str) -> bool | None:
     return None if _RANK.get(ran, -1) > _RANK.get(planned, 9) else False
 
 
-def _by_rule(converted, name: str, direction: str, mode, expected: str) -> tuple[str | None, str]:
-    """(planned, why) for a direction of a converted Linear: its recipe rule's format (a rule's
-    bf16 is autocast's arithmetic here: `expected`), the forward's for a recomputed forward."""
-    formats, rule = converted.plan.get(name), converted.rule_of.get(name)
+def _by_rule(
+    converted, name: str, direction: str, mode, expected: str, step: int
+) -> tuple[str | None, str]:
+    """(planned, why) for a direction of a converted Linear at optimizer step `step`: its
+    recipe rule's format (a rule's bf16 is autocast's arithmetic here: `expected`; the autopilot's
+    switches change the plan from their step on), the forward's for a recomputed forward."""
+    formats, rule = converted.plan_at(step).get(name), converted.rule_of.get(name)
     if formats is None:  # converted by other means than the chooser (a test's)
         return (mode.compute if direction != WEIGHT_GRAD else None), f"the plan converts {name}"
     index = {FORWARD: 0, RECOMPUTE: 0, INPUT_GRAD: 1, WEIGHT_GRAD: 2}.get(direction)
@@ -115,6 +118,16 @@ def _by_rule(converted, name: str, direction: str, mode, expected: str) -> tuple
         return planned, f"{source} keeps {name}'s {DIRECTIONS[index]} in {fmt}"
     by = "" if source.endswith("'s default") else f" ({source})"
     return planned, f"the plan converts {name} to {mode.name}{by}"
+
+
+def _left_out(converted, name: str, mode, expected: str) -> tuple[str, str]:
+    """(planned, why) for a Linear the plan leaves out: autocast's arithmetic, or fp32 where its
+    rule keeps every direction fp32 (it is then an fp32 island, held as one above, unless it was
+    not made one)."""
+    rule = converted.rule_of.get(name)
+    if rule is not None and rule.island():
+        return "fp32", f"{rule.source} keeps {name} in fp32 (an fp32 island)"
+    return expected, f"the plan leaves {name} out of {mode.name} ({converted.skipped[name]})"
 
 
 def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
@@ -135,10 +148,9 @@ def _stage_check(stage: dict, plan: Plan) -> tuple[list[str], list[str]]:
             why = f"the plan keeps {island} in fp32"
             planned = island_arithmetic
         elif converted and _linear_like(r["class"]) and name not in skipped:
-            planned, why = _by_rule(converted, name, r["direction"], mode, expected)
+            planned, why = _by_rule(converted, name, r["direction"], mode, expected, stage["step"])
         elif converted and _linear_like(r["class"]):
-            why = f"the plan leaves {name} out of {mode.name} ({skipped[name]})"
-            planned = expected
+            planned, why = _left_out(converted, name, mode, expected)
         else:
             why = f"precision={mode.name} computes its matmuls in {expected}"
             planned = expected

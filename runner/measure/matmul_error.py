@@ -7,20 +7,23 @@ GPT-2's Conv1D) and each direction (forward, input_grad, weight_grad):
   the same high-precision operands: forward x·Wᵀ from the module's input as it reached the module
   and its weight as the model holds it; input_grad dy·W and weight_grad dyᵀ·x, dy being the
   gradient of the module's output as it reached the module. Signal and noise are summed over the
-  step's calls of the module (micro-batches), SQNR = 10·log10(Σ ref² / Σ (run − ref)²);
-- each operand's amax, and the shares of its nonzero elements flushed to zero and clamped at the
-  format's largest finite value when quantized to the run's format for that direction
-  (runner/measure/quant_shares.py).
+  step's calls of the module (micro-batches, a module called twice), SQNR = 10·log10(Σ ref² /
+  Σ (run − ref)²);
+- each operand's amax, and the shares of its nonzero elements flushed to zero and clamped (what
+  rounds past the format's largest finite value) when quantized to the run's format for that
+  direction (runner/measure/quant_shares.py); dy's, where that format is the cast into fp16 or
+  bf16 its consumers made, of dy before that cast (runner/measure/precast_grad.py).
 
 How: module hooks installed for the measured step only, and removed after it. A forward pre-hook
 keeps the input and hands the module a view of it (whose gradient is this module's own input
 gradient); a forward hook compares the output, hooks it for dy, and hooks the autograd nodes of
-the call that hand the weight its gradient (this call's own, apart from any other use of a weight
-tied to it, as GPT-2's head is to its embedding). Everything the probe computes runs outside the
-audit's dispatch modes, autocast and autograd, and a block of rows at a time
-(runner/measure/error_sums.py): no FLOP, op or activation of the step's own accounting (its
-manifest, projection) is the probe's, and its temporaries add at most a block's worth to the
-step's peak memory. Under FSDP the weight is the one the module's unit gathered (the whole one,
+the call that hand the weight its gradient (this call's own: apart from any other use of a weight
+tied to it, as GPT-2's head is to its embedding, and from another call's use of autocast's cached
+cast of it); when the model's forward ends, the ops that consumed each output are hooked for dy's
+parts before their cast. Everything the probe computes runs outside the audit's dispatch modes,
+autocast and autograd, and a block of rows at a time (runner/measure/error_sums.py): no FLOP, op
+or activation of the step's own accounting (its manifest, projection) is the probe's, and its
+temporaries add at most a block's worth to the step's peak memory. Under FSDP the weight is the one the module's unit gathered (the whole one,
 gathered from the shards, where the unit has resharded it). Not measured: a forward that gradient
 checkpointing runs again (the first one is)."""
 
@@ -31,17 +34,15 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
-from runner import console
-from runner.measure.autograd_edges import next_node, weight_edges
+from runner.measure.autograd_edges import consumer_edges, next_node, weight_edges
 from runner.measure.error_sums import aside, product_sums
 from runner.measure.matmuls import FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from runner.measure.quant_shares import ROLES, counts, operand_formats
+from runner.measure.precast_grad import PreCast
+from runner.measure.quant_shares import ROLES, counts, is_cast, operand_formats
 from runner.precision.conversion import is_conv1d
 from runner.precision.layers import recomputing
-
-WORST_SHOWN = 3  # modules printed after the audited step's manifest
-SHORT = {FORWARD: "fwd", INPUT_GRAD: "dgrad", WEIGHT_GRAD: "wgrad"}
 
 
 def matmul_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -70,6 +71,11 @@ class _Call:
         self.conv1d = is_conv1d(module)
         self.x = x.detach().reshape(-1, x.shape[-1])
         self.dy: Tensor | None = None
+        # where dy's format is a cast (fp16, bf16): its parts before that cast, and its counts
+        # in that format from them, per direction (runner/measure/precast_grad.py)
+        cast = any(is_cast(formats[d][1][0]) for d in (INPUT_GRAD, WEIGHT_GRAD))
+        self.precast = PreCast() if cast else None
+        self.dy_counts: dict[str, Tensor] = {}
         self.weight = module.weight  # the one the forward uses (FSDP: its unit's gathered one)
         self.start: int | None = None  # the first autograd node its forward made
         self._dw: Tensor | None = None  # the sum of the weight gradient's parts so far, in fp32
@@ -85,6 +91,16 @@ class _Call:
     def got_dy(self, dy: Tensor) -> None:
         with aside(dy.device):
             self.dy = dy.detach().reshape(-1, dy.shape[-1])
+            high = self.precast and self.precast.before(dy)
+            if high is None:
+                return
+            found: dict = {}  # counted here, so that the gradient before its cast is let go
+            for direction in (INPUT_GRAD, WEIGHT_GRAD):
+                fmt = self.formats[direction][1][0]
+                if is_cast(fmt):
+                    if fmt not in found:
+                        found[fmt] = counts(high.reshape(self.dy.shape), fmt)
+                    self.dy_counts[direction] = found[fmt]
 
     def got_dx(self, dx: Tensor) -> None:
         with aside(dx.device):
@@ -142,6 +158,8 @@ class ErrorProbe:
         self.converted, self.fast = converted, fast
         self.tallies: dict[tuple[str, str], dict] = {}
         self._open: dict[nn.Module, list[_Call]] = {}
+        self._outputs: dict[tuple, _Call] = {}  # this forward's outputs whose dy is cast
+        self._start: int | None = None  # the first autograd node of the model's forward
         self._handles: list = []
 
     def __enter__(self) -> ErrorProbe:
@@ -150,6 +168,10 @@ class ErrorProbe:
                 module.register_forward_pre_hook(functools.partial(self._pre, name)),
                 module.register_forward_hook(functools.partial(self._post, name)),
             ]
+        self._handles += [
+            self.model.register_forward_pre_hook(self._model_pre),
+            self.model.register_forward_hook(self._model_post),
+        ]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -157,6 +179,7 @@ class ErrorProbe:
             handle.remove()
         self._handles = []
         self._open.clear()
+        self._outputs.clear()
 
     def _pre(self, name: str, module: nn.Module, args: tuple):
         if recomputing() or not args or not isinstance(x := args[0], Tensor):
@@ -189,11 +212,32 @@ class ErrorProbe:
             if output.requires_grad:
                 output.register_hook(call.got_dy)
                 call.hook_weight(output, call.weight)
+                if call.precast is not None and output.grad_fn is not None:
+                    self._outputs[output.grad_fn, output.output_nr] = call
+
+    def _model_pre(self, _model: nn.Module, _args) -> None:
+        self._outputs.clear()
+        self._start = next_node() if torch.is_grad_enabled() else None
+
+    def _model_post(self, _model: nn.Module, _args, output) -> None:
+        """The model's forward is done (a task's computes its loss): every op that consumed a
+        module's output exists. Each one that hands that output a part of its gradient is hooked
+        for the part before its cast (runner/measure/precast_grad.py)."""
+        targets, self._outputs = self._outputs, {}
+        if not targets or self._start is None or recomputing():
+            return
+        roots = [t.grad_fn for t in tree_leaves(output) if isinstance(t, Tensor) and t.grad_fn]
+        for node, index, call in consumer_edges(roots, self._start, targets):
+            node.register_hook(call.precast.hook(node, index))
 
     def add(self, call: _Call, direction: str, sums: Tensor, operands) -> None:
         """One product's signal and noise (`sums`), and its operands' counts (under `aside`)."""
         computed, formats = call.formats[direction]
-        found = [counts(t, f) for t, f in zip(operands, formats, strict=True)]
+        cast = call.dy_counts.get(direction)  # dy's (the first operand) before its cast
+        found = [
+            cast if i == 0 and cast is not None else counts(t, f)
+            for i, (t, f) in enumerate(zip(operands, formats, strict=True))
+        ]
         key = (call.name, direction)
         tally = self.tallies.get(key)
         if tally is None:
@@ -252,39 +296,3 @@ def sqnr_db(signal: float, noise: float) -> float | None:
     if math.isinf(noise) and math.isfinite(signal):
         return -math.inf
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
-
-
-def worst(records: list[dict], k: int | None = None) -> list[dict]:
-    """Each module's lowest-SQNR direction, lowest first (an unmeasured SQNR last); `k` of them."""
-    by_module: dict[str, dict] = {}
-    for r in sorted(records, key=_rank):
-        by_module.setdefault(r["module"], r)
-    return list(by_module.values())[:k]
-
-
-def _rank(r: dict) -> float:
-    s = r["sqnr_db"]
-    return math.inf if s is None or (isinstance(s, float) and math.isnan(s)) else s
-
-
-def line(r: dict) -> str:
-    """A record in a few words: module, direction, format, SQNR, and its worst operand's shares."""
-    s = r["sqnr_db"]
-    sqnr = "no error" if s == math.inf else "—" if s is None else f"{s:.1f} dB"
-    text = f"{r['module'] or 'the model'} {SHORT.get(r['direction'], r['direction'])}"
-    text += f" ({r['format']}): SQNR {sqnr}"
-    role, o = max(r["operands"].items(), key=lambda kv: kv[1]["underflow"] + kv[1]["clamp"])
-    if o["underflow"] or o["clamp"]:
-        text += f", {role} {o['underflow']:.1%} flushed to zero, {o['clamp']:.1%} clamped"
-    return text + f", {role} amax {o['amax']:.3g}"
-
-
-def show(records: list[dict], step: int) -> None:
-    """The k worst modules of a measured step, a line each, under the precision manifest."""
-    if not records:
-        return
-    modules = len({r["module"] for r in records})
-    picked = worst(records, WORST_SHOWN)
-    console.say(f"matmul error, step {step}: the {len(picked)} worst of {modules} modules")
-    for r in picked:
-        console.console.print(f"  {line(r)}", soft_wrap=True, highlight=False, markup=False)

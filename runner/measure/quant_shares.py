@@ -1,16 +1,19 @@
 """What a matmul's operands lose when quantized to its format, for each matmul's measured error
 (runner/measure/matmul_error.py): each operand's format per direction, read off the module as the
 run converted it (`operand_formats`), and one place per format that quantizes an operand as the
-run does (`counts`): of its nonzero elements, how many flush to zero and how many are clamped at
-the format's largest finite value, and its amax.
+run does (`counts`): of its nonzero elements, how many flush to zero and how many are clamped (they
+round, to nearest after scaling, past the format's largest finite value: one that rounds to the
+largest anyway is not), and its amax.
 
 Every operand comes as a 2-D matrix whose last dimension is the GEMM's inner one (the dimension a
 row scale or a block runs along): forward x (tokens × in) and W (out × in); the input's gradient
 dy (tokens × out) and Wᵀ (in × out); the weight's gradient dyᵀ (out × tokens) and xᵀ (in × tokens).
 
-- bf16, fp16: the cast (fp16's values beyond 65504 count as clamped: they overflow);
-- fp8 e4m3/e5m2, tensorwise or rowwise: torchao's dynamic scaling, largest / amax over the tensor
-  or over each row, then the cast saturated at the format's largest;
+- bf16, fp16: the cast (fp16's values from 65520 count as clamped: they overflow);
+- fp8 e4m3/e5m2, tensorwise or rowwise: torchao's dynamic scaling as torchao computes it, largest
+  / amax over the tensor or over each row in float64, then float32, rounded down to a power of two
+  where the layer's config says so (the rowwise recipes), then the cast saturated at the format's
+  largest; Float8Linear's input cast to CUDA autocast's dtype first where that is on;
 - mxfp8: e4m3 in blocks of 32 with a power-of-two scale, 2^ceil(log2(amax / 448)) (torchao's RCEIL);
 - nvfp4, mxfp4: the project's own quantizer (runner/precision/fp4_quant.py), with the run's tiles
   and its own random Hadamard transform of the weight gradient's operands; round to nearest (a
@@ -18,6 +21,7 @@ dy (tokens × out) and Wᵀ (in × out); the weight's gradient dyᵀ (out × tok
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,17 +40,23 @@ from runner.precision.recipe import HIGH
 ROLES = {FORWARD: ("x", "w"), INPUT_GRAD: ("dy", "w"), WEIGHT_GRAD: ("dy", "x")}
 _FP8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 MX_BLOCK = 32
+E2M1_EPS = 0.5  # E2M1's spacing at 1 (one significand bit)
 
 
 @dataclass(frozen=True)
 class OperandFormat:
     """An operand's format: `name` as the table shows it; `dtype` its elements' (None: fp32,
-    nothing rounds, or FP4); `scaling` (tensorwise, rowwise, block) where scaled; `fp4`, `tile`
-    and `rotate` (the run's random Hadamard transform along the tokens) for FP4."""
+    nothing rounds, or FP4); `scaling` (tensorwise, rowwise, block) where scaled, `pow2` where
+    torchao rounds the scale down to a power of two (round_scales_to_power_of_2), `through`
+    the dtype the run casts the operand to before scaling it (Float8Linear under CUDA
+    autocast); `fp4`, `tile` and `rotate` (the run's random Hadamard transform along the
+    tokens) for FP4."""
 
     name: str
     dtype: torch.dtype | None = None
     scaling: str = ""
+    pow2: bool = False
+    through: torch.dtype | None = None
     fp4: Fp4Format | None = None
     tile: tuple[int, int] = (1, 1)
     rotate: Callable[[Tensor], Tensor] | None = None
@@ -55,15 +65,20 @@ class OperandFormat:
 FP32 = OperandFormat("fp32")
 
 
+def is_cast(f: OperandFormat) -> bool:
+    """Whether `f` is a plain cast into a narrower float (bf16, fp16): no scale, no blocks."""
+    return f.dtype is not None and not f.scaling
+
+
 def cast(dtype: torch.dtype | None) -> OperandFormat:
     if dtype is None or dtype == torch.float32:
         return FP32
     return OperandFormat(short(dtype), dtype)
 
 
-def fp8(dtype: torch.dtype, rowwise: bool) -> OperandFormat:
+def fp8(dtype: torch.dtype, rowwise: bool, pow2: bool = False, through=None) -> OperandFormat:
     scaling = "rowwise" if rowwise else "tensorwise"
-    return OperandFormat(f"fp8 {_FP8[dtype]} {scaling}", dtype, scaling)
+    return OperandFormat(f"fp8 {_FP8[dtype]} {scaling}", dtype, scaling, pow2, through)
 
 
 MXFP8 = OperandFormat(f"mxfp8 e4m3 block {MX_BLOCK}", torch.float8_e4m3fn, "block")
@@ -72,18 +87,24 @@ MXFP8 = OperandFormat(f"mxfp8 e4m3 block {MX_BLOCK}", torch.float8_e4m3fn, "bloc
 def fp4(fmt: Fp4Format, tile: tuple[int, int], rotate=None) -> OperandFormat:
     shape = f"block {tile[1]}" if tile[0] == 1 else f"tile {tile[0]}×{tile[1]}"
     rht = ", rotated" if rotate else ""
-    return OperandFormat(f"{fmt.name} e2m1 {shape}{rht}", None, "block", fmt, tile, rotate)
+    return OperandFormat(
+        f"{fmt.name} e2m1 {shape}{rht}", scaling="block", fp4=fmt, tile=tile, rotate=rotate
+    )
 
 
 def _float8(config, high: OperandFormat, computed: str) -> dict[str, tuple[str, tuple]]:
     """torchao float8's cast configs, per direction (DISABLED: the high-precision operand, a GEMM
-    of two such computed in `computed`)."""
+    of two such computed in `computed`). Its scales rounded down to a power of two where the
+    config says so (the rowwise recipes), its input first cast to CUDA autocast's dtype where
+    that is on, as Float8Linear.forward does."""
+    pow2 = config.round_scales_to_power_of_2
+    through = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
-    def one(cast_config) -> OperandFormat:
+    def one(cast_config, role: str) -> OperandFormat:
         if cast_config.scaling_type.name == "DISABLED":
             return high
         rowwise = cast_config.scaling_granularity.name == "AXISWISE"
-        return fp8(cast_config.target_dtype, rowwise)
+        return fp8(cast_config.target_dtype, rowwise, pow2, through if role == "x" else None)
 
     pairs = {
         FORWARD: (config.cast_config_input, config.cast_config_weight),
@@ -94,8 +115,8 @@ def _float8(config, high: OperandFormat, computed: str) -> dict[str, tuple[str, 
         ),
     }
     out = {}
-    for direction, (a, b) in pairs.items():
-        formats = (one(a), one(b))
+    for direction, casts in pairs.items():
+        formats = tuple(map(one, casts, ROLES[direction]))
         out[direction] = ("fp8" if any(f.dtype in _FP8 for f in formats) else computed, formats)
     return out
 
@@ -165,42 +186,58 @@ def counts(t: Tensor, f: OperandFormat) -> Tensor:
 
 
 def _block(t: Tensor, rows: slice, f: OperandFormat) -> Tensor:
-    """Rows of `t` in fp32, after the run's rotation where it has one."""
-    part = t[rows].detach().float()
+    """Rows of `t` in fp32, as the run scales them: through its cast where it has one, after its
+    rotation where it has one."""
+    part = t[rows].detach()
+    part = (part if f.through is None else part.to(f.through)).float()
     return part if f.rotate is None else _rotated(part, f.rotate)
 
 
+def _rounds_past(magnitude: Tensor, largest: float, eps: float) -> Tensor:
+    """Whether each magnitude, already scaled, rounds to nearest (ties to even) past `largest`,
+    the largest finite value of a format with `eps` (its spacing at 1): what saturates, or
+    overflows, beyond what rounds to the largest anyway. The point halfway to the next binade
+    value up is a tie, which goes to whichever of the two has an even significand."""
+    ulp = 2.0 ** math.floor(math.log2(largest)) * eps
+    halfway = largest + ulp / 2
+    odd = round(largest / ulp) % 2 == 1  # then the tie goes up: past it
+    return magnitude >= halfway if odd else magnitude > halfway
+
+
 def _counts(t: Tensor, f: OperandFormat, whole: Tensor) -> Tensor:
-    """[nonzero, flushed to zero, clamped] of a block `t` of the tensor whose amax is `whole`."""
+    """[nonzero, flushed to zero, clamped] of a block `t` of the tensor whose amax is `whole`;
+    clamped: what rounds past the format's largest finite value after scaling."""
     nonzero = t != 0
     if f.fp4 is not None:
         rows, cols = f.tile
         q = quantize(_padded(t, rows, cols), f.fp4, f.tile, whole=whole)
-        scale = q.scales.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-        scale = (scale * q.tensor_scale.float())[: t.shape[0], : t.shape[1]]
+        reciprocal = ((1.0 / q.tensor_scale) / q.scales.float()).repeat_interleave(rows, 0)
+        reciprocal = reciprocal.repeat_interleave(cols, 1)[: t.shape[0], : t.shape[1]]
         flushed = nonzero & ((q.codes[: t.shape[0], : t.shape[1]] & 7) == 0)
-        clamped = t.abs() > E2M1_MAX * scale
+        clamped = _rounds_past(t.abs() * reciprocal, E2M1_MAX, E2M1_EPS)  # as the quantizer scales
     elif f.dtype is None:
         flushed = clamped = torch.zeros_like(nonzero)
     else:
-        largest = torch.finfo(f.dtype).max
-        scaled = t * _scale(t, f, largest, whole)
-        clamped = scaled.abs() > largest
-        flushed = nonzero & (scaled.clamp(-largest, largest).to(f.dtype) == 0)
+        info = torch.finfo(f.dtype)
+        scaled = t * _scale(t, f, info.max, whole)
+        clamped = _rounds_past(scaled.abs(), info.max, info.eps)
+        flushed = nonzero & (scaled.clamp(-info.max, info.max).to(f.dtype) == 0)
     return torch.stack([nonzero.sum(), flushed.sum(), clamped.sum()]).double()
 
 
 def _scale(t: Tensor, f: OperandFormat, largest: float, whole: Tensor) -> Tensor | float:
     """The factor the run multiplies the operand by before the cast (`whole`: its amax): 1 for a
-    plain cast."""
-    if f.scaling == "tensorwise":
-        return largest / whole.clamp(min=1e-12)
-    if f.scaling == "rowwise":
-        return largest / t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    plain cast. fp8's as torchao's amax_to_scale: largest / amax in float64, then float32, then
+    rounded down to a power of two where the recipe says so."""
+    if f.scaling in ("tensorwise", "rowwise"):
+        amax = whole if f.scaling == "tensorwise" else t.abs().amax(dim=-1, keepdim=True)
+        scale = (largest / amax.double().clamp(min=1e-12)).float()
+        return torch.exp2(torch.floor(torch.log2(scale))) if f.pow2 else scale
     if f.scaling == "block":
         blocks = _padded(t, 1, MX_BLOCK).reshape(t.shape[0], -1, MX_BLOCK)
         amax = blocks.abs().amax(dim=-1, keepdim=True)
         exponent = torch.ceil(torch.log2(amax / largest)).clamp(-127, 127)
-        scale = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
+        # torchao's RCEIL: E8M0's smallest exponent (an amax of 0 included) scales by 1
+        scale = torch.where(exponent > -127, torch.exp2(-exponent), torch.ones_like(amax))
         return scale.expand_as(blocks).reshape(t.shape[0], -1)[:, : t.shape[1]]
     return 1.0

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import flop_registry
 
 from runner import console
 from runner.errors import UserError
-from runner.precision import layers, shorthands
+from runner.precision import fp32_islands, layers, shorthands
 from runner.precision.conversion import (
     as_linear,
     carry,
@@ -73,9 +73,16 @@ class ConvertedLinears(abc.ABC):
         self.convert_adapters = cfg.convert_adapters
         self.skipped: dict[str, str] = {}
         self.user_rules: list[Rule] = []  # precision.recipe's (runner/precision/recipe.py)
+        self.user_default: Rule | None = None  # its `default:`, in place of the mode's
+        self.device_type = "cpu"  # whose autocast an fp32 island turns off
         self.rules: list[Rule] = []  # the recipe in force, once the model is known
         self.plan: dict[str, tuple[str, str, str]] = {}  # converted Linear → its directions
-        self.rule_of: dict[str, Rule] = {}  # converted Linear → the rule that chose it
+        self.plans: list[tuple[int, dict]] = []  # (from step, plan): the autopilot's changes
+        # Linear → the rule that decided it (converted, or left out by its rule; not a Linear
+        # the format cannot take)
+        self.rule_of: dict[str, Rule] = {}
+        self.fp32_linears: list[str] = []  # those the recipe's all-fp32 rules make fp32 islands
+        self.from_conv1d: list[str] = []  # the converted ones that were GPT-2's Conv1D
         self.active = False
         self._model: nn.Module | None = None
         self._layer: type | None = None  # torchao's converted layer class, once imported
@@ -105,20 +112,27 @@ class ConvertedLinears(abc.ABC):
         fp8_recipe = self.recipe if self.compute == "fp8" else "tensorwise"
         return tuple(defaults(self.compute, fp8_recipe).values())
 
+    def follow(self, user: tuple[list[Rule], Rule | None], device: torch.device) -> None:
+        """precision.recipe's (rules, default), read by runner/precision/recipe.py's `for_run`,
+        on `device`."""
+        (self.user_rules, self.user_default), self.device_type = user, device.type
+
     def prepare(self, model: nn.Module, islands: Iterable[nn.Module]) -> None:
         """Converts each Linear by the first rule that matches it (runner/precision/recipe.py):
         fp32 islands, then precision.recipe's rules, then the shorthands (keep_bf16 blocks, a
         fine-tune's adapters unless `keys`.convert_adapters=true, min_features, skip),
-        then the mode's default; a rule that keeps every direction high leaves the Linear out,
-        as does a Linear the format cannot take (its class, its dimensions). GPT-2's `Conv1D`
+        then the recipe's default, else the mode's; a rule that keeps every direction bf16
+        leaves the Linear out, as does a Linear the format cannot take (its class, its
+        dimensions); one of the recipe's that keeps every direction fp32 makes it an fp32 island
+        (`fp32_linears`), as precision.fp32_modules does. GPT-2's `Conv1D`
         layers (Linears with the weight stored transposed) are chosen by the same rules; a
         chosen one becomes a Linear first, saved in the Conv1D's layout still. A converted
         layer keeps the trainability, hooks and forward layers of the module it replaced
         (`carry`, runner/precision/conversion.py)."""
-        unmatched(self.user_rules, model)
         linears = [
             (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)
         ]
+        unmatched(self.user_rules, model, [n for n, _ in linears])
         first_rules = shorthands.early(self, model, islands)
         last_rules = shorthands.late(self, linears, _dims)
         self.rules = first_rules + last_rules
@@ -127,12 +141,17 @@ class ConvertedLinears(abc.ABC):
         for name, linear in linears:
             rule = first_match(self.rules, chain_of[name])
             unfit = self._unfit(linear)
-            if rule.low() and not unfit:
+            if rule.converts() and not unfit:
                 chosen[name] = rule.formats
-                self.rule_of[name] = rule
             else:
-                early = rule in first_rules and not rule.low()
-                self.skipped[name] = rule.reason() if early or not unfit else unfit
+                early = rule in first_rules and not rule.converts()
+                by_rule = early or not unfit or rule.island()
+                self.skipped[name] = rule.reason() if by_rule else unfit
+            if not (rule.converts() and unfit):
+                self.rule_of[name] = rule
+            if rule.island() and (rule in self.user_rules or rule == self.user_default):
+                self.fp32_linears.append(name)
+        fp32_islands.make([model.get_submodule(n) for n in self.fp32_linears], self.device_type)
         self.plan = chosen
         self._model = model
         console.say(f"recipe in force ({self.keys} shorthands expanded; first match wins):")
@@ -141,6 +160,7 @@ class ConvertedLinears(abc.ABC):
         if not chosen:
             return
         originals = {name: model.get_submodule(name) for name in chosen}
+        self.from_conv1d = [name for name, old in originals.items() if is_conv1d(old)]
         for name, old in originals.items():
             if is_conv1d(old):
                 parent, _, child = name.rpartition(".")
@@ -150,6 +170,27 @@ class ConvertedLinears(abc.ABC):
             new = model.get_submodule(name)
             carry(old, new)
             layers.add(new, "converted", self._switch)
+
+    def switch(self, name: str, formats: tuple[str, str, str], step: int, source: str) -> None:
+        """From optimizer step `step` on, converted Linear `name` computes `formats`, as if the
+        recipe's first rule had said so (the autopilot, runner/precision/autopilot.py); all
+        high, it runs as the plain Linear it was. The plan of each step stays known (`plan_at`)."""
+        if not self.plans:
+            self.plans.append((1, dict(self.plan)))
+        self.plan = {**self.plan, name: formats}
+        self.plans.append((step, dict(self.plan)))
+        self.rule_of[name] = rule = Rule("module", name, formats, source)
+        layer = self._model.get_submodule(name)
+        layer._plain = not rule.converts()
+        self._set(layer, formats)
+
+    def plan_at(self, step: int) -> dict[str, tuple[str, str, str]]:
+        """The plan optimizer step `step` ran under."""
+        return next((p for since, p in reversed(self.plans) if since <= step), self.plan)
+
+    @abc.abstractmethod
+    def _set(self, layer: nn.Module, formats: tuple[str, str, str]) -> None:
+        """A converted layer computes `formats` from its next call: each format says how."""
 
     def recipe_in_force(self) -> list[str]:
         """Every rule in force, first match wins, the shorthands expanded."""
@@ -166,7 +207,9 @@ class ConvertedLinears(abc.ABC):
         outside the mode's stages it runs as the plain Linear it was (same weights). Under
         `inference_mode` (evaluation) torchao's low-precision tensors fail, so it runs under
         `no_grad`."""
-        if not self.active:
+        # `switch`ed to bf16; read with getattr: torch.compile guards on it (a `__dict__` read
+        # went unguarded past mxfp8's compile-disabled emulation, and the switch was never seen)
+        if not self.active or getattr(module, "_plain", False):
             return nn.Linear.forward(module, x)
         low_forward = functools.partial(self._compute, module, forward)
         if torch.is_inference_mode_enabled():  # evaluation: torchao's tensors need plain no_grad
@@ -188,6 +231,10 @@ class ConvertedLinears(abc.ABC):
         report["directions"] = {
             n: dict(zip(DIRECTIONS, f, strict=True)) for n, f in self.plan.items()
         }
+        if (
+            self.from_conv1d
+        ):  # what a user's torchao leaves as it is (runner/answers/recipe_export.py)
+            report["from_conv1d"] = self.from_conv1d
         if not converted:  # the mode is bf16 autocast by another name: said, not a silent 1.00×
             report["nothing_converted"] = nothing_converted(self.skipped)
         return report

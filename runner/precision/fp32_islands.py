@@ -66,9 +66,14 @@ def keep_fp32(
 ) -> list[torch.nn.Module]:
     """Make each named submodule an fp32 island (a second call is harmless); returns them."""
     found = find(model, names)
-    for module in found:
-        layers.add(module, "island", functools.partial(_island, device_type))
+    make(found, device_type)
     return found
+
+
+def make(modules: Sequence[torch.nn.Module], device_type: str) -> None:
+    """Make each module an fp32 island (a recipe's all-fp32 rule's Linears too)."""
+    for module in modules:
+        layers.add(module, "island", functools.partial(_island, device_type))
 
 
 def is_island(module: torch.nn.Module) -> bool:

@@ -159,6 +159,9 @@ class Fp4Linears(ConvertedLinears):
             setattr(model.get_submodule(parent) if parent else model, child, new)
         self._layer = Fp4Linear
 
+    def _set(self, layer: nn.Module, formats: tuple[str, str, str]) -> None:
+        layer.formats = formats
+
     def report(self) -> dict:
         """The chooser's report and the recipe's; the tiles' health is measure's to read off
         `recipe.counts` (runner/measure/health.py's `fp4_health`)."""

@@ -29,6 +29,7 @@ class Float8(ConvertedLinears):
             )
         super().__init__(cfg)
         self._float8 = None  # torchao.float8, once imported (only where a layer is chosen)
+        self._config = None  # the recipe's Float8LinearConfig, once imported
 
     def _convert(self, model: nn.Module, chosen: dict[str, tuple[str, str, str]]) -> None:
         """One torchao conversion per set of directions: the recipe's cast configs, with both
@@ -44,6 +45,7 @@ class Float8(ConvertedLinears):
                     "Linear's forward and input_grad in fp8 (precision.recipe)"
                 )
             config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        self._config = config
         for formats in set(chosen.values()):
             names = {n for n, f in chosen.items() if f == formats}
             float8.convert_to_float8_training(
@@ -55,6 +57,10 @@ class Float8(ConvertedLinears):
                 model.get_submodule(name)._hp_weight = formats[1] != "fp8"
         self._layer = import_torchao("torchao.float8.float8_linear", "fp8").Float8Linear
         self._gemm_tensor = float8.Float8TrainingTensor
+
+    def _set(self, layer: nn.Module, formats: tuple[str, str, str]) -> None:
+        layer.config = float8_config(self._float8, self._config, formats)
+        layer._hp_weight = formats[1] != "fp8"
 
     def _compute(self, layer: nn.Module, low_forward: Callable, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):

@@ -61,6 +61,9 @@ class MXFP8(ConvertedLinears):
             "torchao.prototype.mx_formats.mx_tensor", "mxfp8"
         ).MXTensor
 
+    def _set(self, layer: nn.Module, formats: tuple[str, str, str]) -> None:
+        layer.wgrad_with_hp = formats[2] != "mxfp8"
+
     def _compute(self, layer: nn.Module, low_forward: Callable, x: torch.Tensor) -> torch.Tensor:
         # The sm_100 kernels take any high-precision operands and return the recipe's out_dtype
         # (bf16). The emulation multiplies the dequantized operands in their own dtype, so they

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from runner.errors import UserError
-from runner.precision import fp32_islands, recipe
+from runner.precision import autopilot, fp32_islands, recipe
 from runner.precision.caps import DeviceCaps
 from runner.precision.cpu_kernels import LOW_DTYPES, FastKernels, emulated_dtypes
 from runner.precision.master import MasterWeights
@@ -53,8 +53,9 @@ class Precision:
         # a converting mode's Linears are converted once; they compute so in its stages only
         converting = [mode_of(m) for m in modes if mode_of(m).converts]  # one format (validation)
         self.converted = converting[0].linears(cfg.fp8, self.caps) if converting else None
-        if self.converted:  # precision.recipe's rules, ahead of the shorthands
-            self.converted.user_rules = recipe.for_run(cfg, self.converted.compute, self.caps)
+        if self.converted:  # precision.recipe's rules, ahead of the shorthands; its default last
+            self.converted.follow(recipe.for_run(cfg, self.converted.compute, self.caps), device)
+        self.autopilot = autopilot.for_run(cfg, self.name, self.converted, device)
         # precision.cpu_kernels: entered around `fit`, the dtypes whose matmuls compute in fp32
         self.fast_kernels = FastKernels(emulated_dtypes(cfg.cpu_kernels, self.caps, modes))
         self._saved_matmul_precision = torch.get_float32_matmul_precision()

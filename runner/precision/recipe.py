@@ -2,10 +2,11 @@
 weight_grad), as an ordered list of rules, first match wins. A rule's glob (fnmatch) is on module
 names (`module:`, matching the Linear or any module it sits in) or class names (`class:`, the
 same); each direction gets the run's converting format (fp8, mxfp8, nvfp4, mxfp4: the mode's) or
-bf16 (autocast's), fp32 where the format's machinery computes it (nvfp4, mxfp4). The one place
-rules are parsed and matched: `precision.recipe=FILE.yaml` (the user's rules), and the per-layer
-shorthands (fp32 islands, precision.fp8/fp4's skip, min_features, keep_bf16, LoRA adapters),
-which runner/precision/converted.py's chooser expands into rules of the same kind."""
+bf16 (autocast's), fp32 where the format's machinery computes it (nvfp4, mxfp4); all three fp32
+in any mode (an fp32 island). The one place rules are parsed and matched: `precision.recipe=
+FILE.yaml` (the user's rules and default), and the per-layer shorthands (fp32 islands,
+precision.fp8/fp4's skip, min_features, keep_bf16, LoRA adapters), which runner/precision/
+converted.py's chooser expands into rules of the same kind."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from runner.errors import UserError
 
 DIRECTIONS = ("forward", "input_grad", "weight_grad")
 HIGH = ("bf16", "fp32")  # the formats a rule keeps a direction high in
+ISLAND = ("fp32",) * len(DIRECTIONS)  # a rule keeping every direction fp32: an fp32 island
 KEY = "precision.recipe"
 
 
@@ -40,16 +42,21 @@ class Rule:
         i = 0 if self.on == "module" else 1
         return any(fnmatch.fnmatchcase(link[i], self.pattern) for link in chain)
 
-    def low(self) -> bool:
-        """Whether it puts any direction in the converting format."""
-        return any(f not in HIGH for f in self.formats)
+    def converts(self) -> bool:
+        """Whether a Linear it decides is converted: a direction in the format, or bf16 beside
+        fp32 (the FP4 emulation computes each direction apart). All bf16 leaves the Linear to
+        autocast; all fp32 makes it an fp32 island (`island`)."""
+        return len(set(self.formats)) > 1 or self.formats[0] not in HIGH
+
+    def island(self) -> bool:
+        return self.formats == ISLAND
 
     def describe(self) -> str:
         dirs = ", ".join(f"{d}: {f}" for d, f in zip(DIRECTIONS, self.formats, strict=True))
         return f"{{{self.on}: {self.pattern!r}, {dirs}}}  ({self.source})"
 
     def reason(self) -> str:
-        """Why a Linear it matches is not converted (all its directions high)."""
+        """Why a Linear it decides is not converted (all its directions bf16, or all fp32)."""
         return self.why or f"{self.formats[0]} by {self.source}"
 
 
@@ -72,27 +79,32 @@ def defaults(compute: str, fp8_recipe: str = "tensorwise") -> dict[str, str]:
     return {d: allowed_for(compute, fp8_recipe)[d][0] for d in DIRECTIONS}
 
 
-def load(path: str, compute: str, fp8_recipe: str = "tensorwise") -> list[Rule]:
-    """precision.recipe's rules for a mode computing in `compute`; each bad rule one line."""
-    rules = parse(path, defaults(compute, fp8_recipe), allowed_for(compute, fp8_recipe))
-    for rule in rules if compute == "mxfp8" else ():
-        forward, input_grad, _ = rule.formats
-        if forward != input_grad:
+def load(path: str, compute: str, fp8_recipe: str = "tensorwise") -> tuple[list[Rule], Rule | None]:
+    """precision.recipe's (rules, default) for a mode computing in `compute`: the default
+    (None where the file has none) decides the Linears no rule matches, after the shorthands
+    (runner/precision/shorthands.py's `late`); each bad rule one line."""
+    allowed = allowed_for(compute, fp8_recipe)
+    rules, default = parse(path, defaults(compute, fp8_recipe), allowed)
+    for rule in [*rules, default] if compute == "mxfp8" else ():
+        if rule is not None and rule.converts() and rule.formats[:2] != ("mxfp8", "mxfp8"):
+            dirs = ", ".join(f"{d}={f}" for d, f in zip(DIRECTIONS, rule.formats, strict=True))
             raise UserError(
-                f"{KEY} {rule.source}: forward={forward} with input_grad={input_grad} is invalid "
-                "under mxfp8: torchao's MXFP8Linear computes both in one format (it switches "
-                "weight_grad alone): allowed: both mxfp8, or both bf16 (the module left in bf16)"
+                f"{KEY} {rule.source}: {dirs} is invalid under mxfp8: torchao's MXFP8Linear "
+                "computes forward and input_grad in mxfp8 and keeps only weight_grad high "
+                "(wgrad_with_hp): allowed: all three mxfp8, weight_grad bf16 alone, all three "
+                "bf16 (the Linear left in bf16), all three fp32 (an fp32 island)"
             )
-    return rules
+    return rules, default
 
 
-def for_run(cfg, compute: str, caps) -> list[Rule]:
-    """precision.recipe's rules (`cfg`: the precision group), each one the device can run."""
+def for_run(cfg, compute: str, caps) -> tuple[list[Rule], Rule | None]:
+    """precision.recipe's (rules, default) (`cfg`: the precision group), each one the device
+    can run."""
     if not cfg.get("recipe"):
-        return []
-    rules = load(cfg.recipe, compute, cfg.fp8.recipe)
-    runnable(rules, caps, cfg.allow_emulated)
-    return rules
+        return [], None
+    rules, default = load(cfg.recipe, compute, cfg.fp8.recipe)
+    runnable([*rules, default] if default else rules, caps, cfg.allow_emulated)
+    return rules, default
 
 
 def runnable(rules: list[Rule], caps, allow_emulated: bool) -> None:
@@ -126,9 +138,11 @@ def first(e: Exception) -> str:
     return str(getattr(e, "problem", None) or e).splitlines()[0]
 
 
-def parse(path: str, own: dict[str, str], allowed: dict[str, tuple[str, ...]]) -> list[Rule]:
-    """The file's rules, its `default` last (a `{module: "*"}` rule); `own`: the mode's format
-    per direction, which a direction no rule names takes (the default rule's, where there is
+def parse(
+    path: str, own: dict[str, str], allowed: dict[str, tuple[str, ...]]
+) -> tuple[list[Rule], Rule | None]:
+    """The file's rules and its `default` (a `{module: "*"}` rule, or None); `own`: the mode's
+    format per direction, which a direction no rule names takes (the default's, where there is
     one); `allowed`: direction → the formats the mode's machinery computes it in."""
     raw = read(path)
     default = None
@@ -147,7 +161,9 @@ def parse(path: str, own: dict[str, str], allowed: dict[str, tuple[str, ...]]) -
         )
     base = dict(own)
     if default is not None:
-        base = _formats(default, f"{path}'s default rule", base, allowed)
+        formats = _formats(default, f"{path}'s default rule", base, allowed)
+        base = dict(zip(DIRECTIONS, formats, strict=True))
+        default = Rule("module", "*", formats, f"the default rule of {path}")
     rules = []
     for i, entry in enumerate(raw, 1):
         where = f"{path}'s rule {i}"
@@ -165,13 +181,12 @@ def parse(path: str, own: dict[str, str], allowed: dict[str, tuple[str, ...]]) -
         directions = {k: v for k, v in entry.items() if k != on}
         formats = _formats(directions, where, base, allowed)
         rules.append(Rule(on, entry[on], formats, f"rule {i} of {path}"))
-    if default is not None:
-        formats = tuple(base[d] for d in DIRECTIONS)
-        rules.append(Rule("module", "*", formats, f"the default rule of {path}"))
-    return rules
+    return rules, default
 
 
 def _formats(entry, where: str, base: dict, allowed: dict) -> tuple[str, str, str]:
+    """A rule's formats, the directions it leaves out taken from `base`; fp32 in a mode whose
+    machinery does not compute it is allowed in all three directions (an fp32 island)."""
     if not isinstance(entry, dict):
         raise UserError(f"{KEY} {where} is invalid: a mapping of directions to formats")
     formats = dict(base)
@@ -181,13 +196,16 @@ def _formats(entry, where: str, base: dict, allowed: dict) -> tuple[str, str, st
                 f"{KEY} {where}: {direction!r} is not a direction (allowed: "
                 f"{', '.join(DIRECTIONS)}; and module: or class: for the glob)"
             )
-        if fmt not in allowed[direction]:
+        formats[direction] = fmt
+    out = tuple(formats[d] for d in DIRECTIONS)
+    for direction, fmt in formats.items():
+        if fmt not in allowed[direction] and out != ISLAND:
+            island = "" if "fp32" in allowed[direction] else "; fp32 in all three (an fp32 island)"
             raise UserError(
                 f"{KEY} {where}: {direction}={fmt!r} is invalid: allowed: "
-                f"{', '.join(allowed[direction])}"
+                f"{', '.join(allowed[direction])}{island}"
             )
-        formats[direction] = fmt
-    return tuple(formats[d] for d in DIRECTIONS)
+    return out
 
 
 def chains(model) -> dict[str, list[tuple[str, str]]]:
@@ -200,15 +218,19 @@ def chains(model) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def unmatched(rules: list[Rule], model) -> None:
-    """A rule of the file whose glob matches no module of the model is one error line."""
-    links = [link for chain in chains(model).values() for link in chain[:1]]
+def unmatched(rules: list[Rule], model, linears: list[str]) -> None:
+    """A rule of the file that matches no Linear (`linears`: their names), neither the Linear
+    nor a module it sits in, is one error line."""
+    chain_of = chains(model)
     for rule in rules:
-        if not any(rule.matches([link]) for link in links):
-            what = "module" if rule.on == "module" else "module's class"
+        if not any(rule.matches(chain_of[name]) for name in linears):
+            what = "name" if rule.on == "module" else "class"
+            hit = next((n for n, c in chain_of.items() if c and rule.matches(c[:1])), None)
+            but = f"; it matches {hit!r}, which holds none" if hit is not None else ""
             raise UserError(
-                f"{KEY} {rule.source}: {rule.on}: {rule.pattern!r} matches no {what} of the "
-                "model (globs are fnmatch on names as in model.named_modules(), e.g. net.blocks.0.*)"
+                f"{KEY} {rule.source}: {rule.on}: {rule.pattern!r} matches no Linear's {what} "
+                f"nor that of a module a Linear sits in{but} (globs are fnmatch on names as in "
+                "model.named_modules(), e.g. net.blocks.0.*, or on class names)"
             )
 
 
@@ -219,15 +241,19 @@ def first_match(rules: list[Rule], chain: list[tuple[str, str]]) -> Rule | None:
 def float8_config(float8, config, formats: tuple[str, str, str]):
     """`config` with both operands of each GEMM `formats` keeps high (bf16) disabled: forward
     (input, weight), input_grad (grad_output, weight_for_grad_input), weight_grad
-    (input_for_grad_weight, grad_output_for_grad_weight)."""
+    (input_for_grad_weight, grad_output_for_grad_weight). A disabled cast is tensorwise: torchao
+    scales axiswise (the rowwise recipes) only dynamically."""
     off = float8.ScalingType.DISABLED
+    tensorwise = float8.ScalingGranularity.TENSORWISE
     operands = (
         ("cast_config_input", "cast_config_weight"),
         ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
         ("cast_config_input_for_grad_weight", "cast_config_grad_output_for_grad_weight"),
     )
     changes = {
-        key: dataclasses.replace(getattr(config, key), scaling_type=off)
+        key: dataclasses.replace(
+            getattr(config, key), scaling_type=off, scaling_granularity=tensorwise
+        )
         for fmt, keys in zip(formats, operands, strict=True)
         if fmt != "fp8"
         for key in keys

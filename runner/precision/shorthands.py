@@ -1,8 +1,9 @@
 """The per-layer shorthands as recipe rules (runner/precision/recipe.py): fp32 islands, the
-user's recipe file, precision.fp8's (or fp4's) keep_bf16 blocks, LoRA's adapters, min_features,
-skip (`first`, `last` and name patterns), and the mode's default, in that order of precedence
-(first match wins). The shorthands' keys stay public; each becomes a rule that names its key and
-keeps the words a Linear it leaves out is listed with in `converted.skipped`."""
+user's recipe file's rules, precision.fp8's (or fp4's) keep_bf16 blocks, LoRA's adapters,
+min_features, skip (`first`, `last` and name patterns), and the recipe file's default or the
+mode's, in that order of precedence (first match wins). The shorthands' keys stay public; each
+becomes a rule that names its key and keeps the words a Linear it leaves out is listed with in
+`converted.skipped`."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def early(chooser, model: nn.Module, islands: Iterable[nn.Module]) -> list[Rule]
 
 
 def late(chooser, linears: list[tuple[str, nn.Module]], dims) -> list[Rule]:
-    """The rules after the format's constraints: min_features, skip, the mode's default."""
+    """The rules after the format's constraints: min_features, skip, and last the recipe
+    file's default (precision.recipe's `default:`), else the mode's."""
     keys, order = chooser.keys, [n for n, _ in linears]
     small = chooser.min_features
     rules = [
@@ -65,8 +67,10 @@ def late(chooser, linears: list[tuple[str, nn.Module]], dims) -> list[Rule]:
         else:
             why = f"matches {pattern!r} ({keys}.skip)"
             rules.append(Rule("module", pattern, BF16, f"{keys}.skip", why))
-    source = f"precision={chooser.compute}'s default"
-    return [*rules, Rule("module", "*", chooser.default_formats(), source)]
+    default = chooser.user_default or Rule(
+        "module", "*", chooser.default_formats(), f"precision={chooser.compute}'s default"
+    )
+    return [*rules, default]
 
 
 def _kept_blocks(chooser, model: nn.Module) -> list[tuple[nn.Module, str, str]]:
@@ -86,7 +90,7 @@ def _kept_blocks(chooser, model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     if first + last > len(blocks):
         raise UserError(
             f"{keys}.keep_bf16: first={first} and last={last} blocks, but the model has "
-            f"{len(blocks)} (those FSDP shards: its longest nn.ModuleList or nn.Sequential)"
+            f"{len(blocks)} (those FSDP shards: Task.shard_units)"
         )
     kept = []
     for i, block in enumerate(blocks):

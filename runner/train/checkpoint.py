@@ -12,6 +12,7 @@ import torch
 from runner import console
 from runner.errors import TrainingStopped, UserError, first_line
 from runner.files import replacing
+from runner.precision import autopilot
 from runner.precision.fp4 import Recipe
 from runner.train import distributed, sharded
 from runner.train.convert import convert_precision
@@ -191,6 +192,7 @@ class Checkpointer:
             "skipped_steps": trainer.skipped_steps,
             "consecutive_skipped": trainer.consecutive_skipped,
             "precision": trainer.precision.name,
+            "autopilot": autopilot.state(trainer.precision.autopilot),  # its switches, measures
             **rng_states(self.dist, _streams(trainer)),
             **trainer.extra_state,
         }
@@ -202,6 +204,7 @@ class Checkpointer:
         trainer.step, trainer.samples_seen = state["step"], state["samples_seen"]
         trainer.precision.at_step(trainer.step)  # a staged run resumes in its stage
         trainer.precision.load_state_dict(state)
+        autopilot.resume(trainer.precision.autopilot, state.get("autopilot"))
         trainer.skipped_steps = state.get("skipped_steps", 0)
         trainer.consecutive_skipped = state.get("consecutive_skipped", 0)
         streams = restore_rng(state, self.dist)

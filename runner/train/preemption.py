@@ -109,6 +109,28 @@ def late() -> str | None:
     return name
 
 
+def between_jobs() -> None:
+    """From here on, where no run catches them (a sweep's look, the start of its next round):
+    a signal, Ctrl-C's too, noted for `late`, so that the sweep stops before its next job, in
+    words and exit 75, not killed where it stands (SIGTERM's default) nor with a traceback
+    (SIGINT's). A run catches its own (`handled`); `run_begins` gives Ctrl-C back to it."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (*PREEMPTION_SIGNALS, signal.SIGINT):
+            signal.signal(sig, _note)
+
+
+def _note(signum: int, _frame=None) -> None:
+    Signals.after_run = Signals.after_run or signal.Signals(signum).name
+
+
+def run_begins() -> None:
+    """A run starts: Ctrl-C interrupts it again (its KeyboardInterrupt: runner/run.py) where
+    `between_jobs` took it; a launcher's own handler (a joblib worker's) stays."""
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGINT) is _note:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def setup_begins() -> Signals | None:
     """The run's signals, now answered at once until its training starts (runner/run.py)."""
     return Signals.current.setup() if Signals.current is not None else None

@@ -4,6 +4,7 @@ runner/tracking.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from omegaconf import DictConfig, OmegaConf
@@ -51,3 +52,35 @@ def unapplied(saved: dict | None, cfg: DictConfig, also: tuple[str, ...] = ()) -
         if before.get(key) != now.get(key)
         and not any(key == k or key.startswith(k + ".") for k in free)
     ]
+
+
+# run.json: the digest of the rules precision.recipe's file held when the run read it, beside its
+# path in the config: a file edited in place is another run under the same path
+RECIPE_DIGEST = "recipe_rules_sha256"
+
+
+def recipe_digest(cfg: DictConfig) -> str | None:
+    """The digest of precision.recipe's rules as its file holds them now (its YAML, parsed:
+    comments and layout aside); None without a recipe."""
+    from runner.precision.recipe import read
+
+    if not cfg.precision.get("recipe"):
+        return None
+    rules = json.dumps(read(cfg.precision.recipe), sort_keys=True, default=str)
+    return hashlib.sha256(rules.encode()).hexdigest()
+
+
+def recipe_edited(record: dict, cfg: DictConfig, also: tuple[str, ...] = ()) -> list[str]:
+    """precision.recipe as `unapplied` says a changed value, where its path is the one the run
+    read but the file's rules are not (`record`: run.json). [] for a record from before the
+    digest was kept, another path (`unapplied` names it), or precision in `also`."""
+    saved = (record.get("config") or {}).get("precision") or {}
+    if (
+        RECIPE_DIGEST not in record
+        or "precision" in also
+        or saved.get("recipe") != cfg.precision.recipe
+    ):
+        return []
+    if record[RECIPE_DIGEST] == recipe_digest(cfg):
+        return []
+    return [f"precision.recipe={cfg.precision.recipe} (its file's rules are not those the run ran)"]

@@ -4,7 +4,6 @@ search and scripts/bench.py fit short stretches through it."""
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -26,24 +25,34 @@ from runner.train.trainer import Trainer
 Timer = Callable[[], dict]  # one timing: the trainer's summary of its timed steps
 
 
+def built(cfg: DictConfig) -> tuple[DataModule, Task]:
+    """`cfg`'s data and model, seeded and built as `runner.run.run` builds them: the model by its
+    own constructor, so that the hooks and parametrizations it sets up hold (a deep copy of a
+    built model drops its tensor hooks), and the random state left where a run's build leaves it."""
+    seed_everything(cfg.seed)
+    return build(cfg)
+
+
 def workspace(cfg: DictConfig, stack: ExitStack) -> tuple[torch.device, DataModule, Task, RunLog]:
     """`cfg`'s device, and its data and model built and seeded as a run builds them, and a
     throwaway RunLog (in a temporary folder that `stack` removes) for the timings to log to."""
     device = resolve_device(cfg.trainer.device)
-    seed_everything(cfg.seed)
-    data, task = build(cfg)
+    data, task = built(cfg)
     log = RunLog(Path(stack.enter_context(tempfile.TemporaryDirectory())))
     stack.callback(log.finish, {})
     return device, data, task, log
 
 
 def prepared(cfg: DictConfig, task: Task, device: torch.device, stack: ExitStack):
-    """A copy of `task` as `runner.run.run` prepares it for `cfg`: its precision (closed by
-    `stack`, in reverse order, so the first restores the process's settings last), fp32 islands,
-    fp16_master's master weights, torch.compile where cfg.trainer.compile. Returns (task, precision)."""
+    """`cfg`'s model with `task`'s weights, built (`built`) and prepared as `runner.run.run`
+    builds and prepares it: its precision (closed by `stack`, in reverse order, so the first
+    restores the process's settings last), fp32 islands, fp16_master's master weights,
+    torch.compile where cfg.trainer.compile. Returns (task, precision)."""
     precision = Precision(cfg.precision, device)
     stack.callback(precision.close)
-    variant = copy.deepcopy(task).to(device)
+    _, variant = built(cfg)
+    variant.load_state_dict(task.state_dict())
+    variant.to(device)
     precision.prepare(variant, cfg.precision.fp32_modules)
     if cfg.trainer.compile:
         variant.compile()
@@ -84,6 +93,7 @@ def trainer_timer(
         precision.in_force.set_matmuls()  # each variant's while it runs (TF32 is process-wide)
         reset_peak_memory(precision.device)
         timing.max_steps = trainer.step + warmup + steps
+        trainer.meter.rows.clear()  # this call's speed and contention, not earlier calls' too
         quiet, console.console.quiet = console.console.quiet, True
         try:
             return trainer.fit() | {"memory": trainer_memory(trainer)}

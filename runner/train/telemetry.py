@@ -1,25 +1,25 @@
-"""Measurements of a run: step timing by logging interval, throughput statistics, peak memory,
-compile counts, and when to audit a step (runner/measure/flops.py has the FLOPs, MFU and the audit)."""
+"""Measurements of a run: step timing by logging interval, what the process got of the machine in
+each (runner/measure/contention.py), where the fit's wall time went, peak memory, compile counts,
+and when to audit a step (runner/measure/flops.py has the FLOPs, MFU and the audit; speed.py the
+speed figures)."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from runner import console
+from runner.measure.contention import Window
 from runner.measure.flops import PrecisionAudit
 from runner.measure.manifest_table import show as show_manifest
 from runner.measure.matmuls import MatmulLog
 from runner.measure.memory import SavedActivations, peak_memory_mb, peak_reserved_mb
 from runner.measure.module_stack import ModuleStack
 from runner.task import Batch
-
-INPUT_BOUND_SHARE = 0.2  # above this share of step time spent waiting for data, warn
+from runner.train.speed import WINDOW_KEYS, steady_speed
+from runner.train.wall_time import Phases
 
 
 def compile_counts() -> tuple[int, int]:
@@ -46,12 +46,6 @@ def read_later(value: torch.Tensor) -> Callable[[], float]:
     return read
 
 
-def _iqr(values: list[float]) -> float:
-    """The interquartile range (linear interpolation between the values, as numpy's default)."""
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
-
-
 def batch_samples(window: list[Batch]) -> int:
     return sum(len(next(iter(b.values()))) for b in window)
 
@@ -70,18 +64,19 @@ class Meter:
         rows: list[dict],
         num_tokens: Callable[[Batch], int],
         task: torch.nn.Module | None = None,
+        low_share: bool = False,
     ):
         self.cfg, self.device, self.world, self.num_tokens = cfg, device, world, num_tokens
         self.rows = rows  # every row logged (a resumed run starts with the earlier ones)
         self.audit: dict | None = None  # the precision audit of the last stage's first step
         self.task = task
-        # the precision manifest's record of each stage's audited step: {mode, step, ops}, and
-        # `traffic` (each matmul by shape, other ops' bytes) for the projection
+        # the manifest's record of each audited step: {mode, step, ops, traffic (the projection's)}
         self.audited_steps: list[dict] = []
         self.activations = SavedActivations(task)  # counted in audited steps
         self.health: dict | None = None  # fp16's gradient health, from an audited step
-        self._auditing = False
-        self._pending: list[dict] = []
+        self._auditing, self._pending = False, []  # the steps not flushed yet
+        self.phases = Phases()  # where a fit's wall time goes (each fit's: `start`)
+        self.low_share = LowShare(low_share)  # rows carry it: the autopilot's runs
 
     def start(self, step: int) -> None:
         self.first_step = step
@@ -95,6 +90,8 @@ class Meter:
             cfg.checkpoint_every_n_steps,
         )
         self._steady_after = step + cfg.benchmark.warmup_steps  # this attempt's warm-up
+        self.phases = Phases()
+        self.window = Window(self.device)  # the interval's share of the machine
         self.started = self.interval_start = time.perf_counter()
         self._compiled_before = compile_counts()  # a multirun's earlier jobs compiled too
 
@@ -126,7 +123,7 @@ class Meter:
             return
         stack = ModuleStack(self.task) if self.task is not None else None
         matmuls = MatmulLog(stack) if stack is not None else None
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), self.phases.timing("audited_step"):
             self.health = probe() or self.health
             self._auditing = True
             try:
@@ -138,12 +135,13 @@ class Meter:
                     yield
             finally:
                 self._auditing = False
-        self.audit = audit.report() | (counted or {})
-        if matmuls is not None:
-            self.audited_steps.append(
-                {"mode": mode, "step": step, "ops": matmuls.records(), "traffic": matmuls.traffic()}
-            )
-            show_manifest(self.audited_steps[-1])
+            self.audit = audit.report() | (counted or {})
+            if matmuls is not None:
+                ops, traffic = matmuls.records(), matmuls.traffic()
+                self.audited_steps.append(
+                    {"mode": mode, "step": step, "ops": ops, "traffic": traffic}
+                )
+                show_manifest(self.audited_steps[-1])
 
     def saving(self) -> contextlib.AbstractContextManager:
         """Around a forward: in an audited step, counts the activations it saves for backward."""
@@ -166,6 +164,7 @@ class Meter:
                 "data_wait_s": data_wait,
                 "samples": samples,
                 "tokens": sum(self.num_tokens(b) for b in window) * self.world,
+                "low": self.low_share(self.audit),
             }
         )
         return samples
@@ -191,7 +190,9 @@ class Meter:
         keys = list(pending[0]["device_values"])
         values = torch.stack([torch.stack([r["device_values"][k] for k in keys]) for r in pending])
         values = values.tolist()
-        step_time = (time.perf_counter() - self.interval_start) / len(pending)
+        elapsed = time.perf_counter() - self.interval_start
+        share = {k: v for k, v in self.window.read().items() if k in WINDOW_KEYS}
+        step_time = elapsed / len(pending)
         memory = peak_memory_mb(self.device)
         skipped_total -= sum(v[keys.index("skipped")] > 0 for v in values)
         rows = []
@@ -211,12 +212,16 @@ class Meter:
                     # past this attempt's warm-up: in the speed figures, a resumed run's too
                     "steady": r["step"] > self._steady_after,
                 }
+                | r["low"]
+                | share
             )
+        self.phases.interval(elapsed, rows[-1]["steady"])
         self.rows += rows
         return rows
 
     def lap(self) -> None:
         """The next interval starts now: evaluation and checkpoints are not step time."""
+        self.window.start()
         self.interval_start = time.perf_counter()
 
     def speed(self) -> dict:
@@ -229,6 +234,7 @@ class Meter:
         and the precision audit. A rank other than 0 that resumed a finished run has no rows:
         its last values are None."""
         graphs, breaks = compile_counts()
+        self.fit_wall_s = time.perf_counter() - self.started
         evals = [r for r in self.rows if "eval_loss" in r]
         last = self.rows[-1] if self.rows else {}
         return {
@@ -239,50 +245,22 @@ class Meter:
             **self.speed(),
             "peak_memory_mb": peak_memory_mb(self.device),
             "peak_reserved_mb": peak_reserved_mb(self.device),
-            "wall_time_s": time.perf_counter() - self.started,
+            "wall_time_s": self.fit_wall_s,  # the fit's: runner/train/wall_time.py has the run's
             "compiled_graphs": graphs - self._compiled_before[0],
             "graph_breaks": breaks - self._compiled_before[1],
             **(self.audit or {}),
         }
 
 
-def steady_speed(rows: list[dict], warmup: int) -> dict:
-    """Median throughput, median and p90 step time, and the share of step time spent waiting
-    for data, over the steady window: the rows past their attempt's warm-up (`steady`; rows
-    written before that flag, past the run's first `warmup` steps). The spread: the
-    interquartile ranges of throughput and step time over the window's steps, which are timed
-    by interval; None where the window has fewer than two intervals to compare."""
-    steady = [r for r in rows if r.get("steady", r["step"] > warmup)]
-    if not steady:
-        # The warm-up holds the eager audit and fp16's fp32 probe: its speed would mislead.
-        keys = ("samples_per_s", "samples_per_s_iqr", "tokens_per_s", "step_time_s")
-        keys += ("step_time_s_iqr", "step_time_p90_s", "data_wait_share")
-        return dict.fromkeys(keys) | {
-            "speed_intervals": 0,
-            "speed_note": f"no steady window: the run ended within its {warmup}-step warm-up "
-            "(trainer.benchmark.warmup_steps), so its speed is untested",
-        }
-    times = [r["step_time_s"] for r in steady]
-    # An interval's steps share its mean time: a new time, or a gap in the steps, starts one.
-    intervals = 1 + sum(
-        a["step_time_s"] != b["step_time_s"] or b["step"] != a["step"] + 1
-        for a, b in zip(steady, steady[1:], strict=False)
-    )
-    throughput = [r["samples_per_s"] for r in steady]
-    wait_share = sum(r["data_wait_s"] for r in steady) / max(sum(times), 1e-12)
-    if wait_share > INPUT_BOUND_SHARE:
-        console.say(
-            f"[yellow]warning:[/] input-bound: {wait_share:.0%} of step time waits for data, "
-            "which no precision speeds up; raise dataset.num_workers or make loading cheaper"
-        )
-    return {
-        "samples_per_s": statistics.median(throughput),
-        "samples_per_s_iqr": _iqr(throughput) if intervals > 1 else None,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "step_time_s": statistics.median(times),
-        "step_time_s_iqr": _iqr(times) if intervals > 1 else None,
-        # Nearest rank: one of the measured times, never below the median.
-        "step_time_p90_s": sorted(times)[math.ceil(0.9 * len(times)) - 1],
-        "speed_intervals": intervals,
-        "data_wait_share": wait_share,
-    }
+class LowShare:
+    """The share of a step's FLOPs in the converting format, as the last audit counted them (the
+    autopilot's switches are each followed by one; the step that decided a switch is recorded
+    after its restage, before that audit): a row's `low_flop_share`, where rows carry it (`on`)."""
+
+    def __init__(self, on: bool):
+        self.on, self.last = on, None
+
+    def __call__(self, audit: dict | None) -> dict:
+        if audit and audit.get("flops_per_step"):
+            self.last = (audit.get("converted_flops_per_step") or 0) / audit["flops_per_step"]
+        return {"low_flop_share": self.last} if self.on and self.last is not None else {}

@@ -93,15 +93,14 @@ class Trainer:
         self.lr = 0.0  # of the last step taken
         self.extra_state: dict = {}  # saved with each checkpoint (config, W&B run id)
         self.conversion: dict | None = None  # resumed from another precision: what changed
-        self.meter = Meter(
-            cfg, device, self.dist.world, list(log.previous_rows), task.num_tokens, task
-        )
+        rows, pilot = list(log.previous_rows), precision.autopilot is not None  # its FLOP share
+        self.meter = Meter(cfg, device, self.dist.world, rows, task.num_tokens, task, pilot)
         self.evaluation = Evaluation(
             task, data, precision.autocast, cfg.limit_val_batches, self._to_device, self.sharded
         )
         self.checkpointer = Checkpointer(log.out_dir, self.dist, self.sharded, cfg.keep_last_k)
         self.forensics = Forensics(task, self.model, precision, self.dist, log.out_dir)
-        self.errors = MatmulErrors(task, precision)  # each matmul's error, on measured steps
+        self.errors = MatmulErrors(task, precision, cfg)  # each matmul's error, measured steps
         self.preemption = Preemption(self.dist)
         self.deadline = None  # the job's end time, watched by the run's own fit
         self._unsettled: PendingStep | None = None  # the last step, until its flag is read
@@ -159,7 +158,9 @@ class Trainer:
             self.log.log_rows(rows)
             # Rank 0 evaluates while the others go on, unless the weights are sharded.
             if due["eval"] and (self.dist.main or self.sharded):
-                if metrics := self.evaluation.at(self.step):
+                with self.meter.phases.timing("evaluation"):
+                    metrics = self.evaluation.at(self.step)
+                if metrics:
                     rows[-1].update(metrics)
                     self.log.amend_last(rows[-1], metrics)
             last = rows[-1]
@@ -172,7 +173,7 @@ class Trainer:
         preempted, collapsed = self.preemption.requested, self.collapsed
         preempted = preempted and not self.preemption.completes(due["last"])
         if due["checkpoint"] or due["last"] or preempted or collapsed:
-            with timed(self.deadline):  # a checkpoint's time, for the time limit's watch
+            with timed(self.deadline), self.meter.phases.timing("checkpoints"):  # time limit's too
                 tensors = state_tensors(self.task, self.params)
                 self.checkpointer.save(self.state_dict(), self.step, due["checkpoint"], tensors)
         if preempted:
