@@ -78,8 +78,8 @@ stop_pids() {  # stop_pids SECONDS PID...: SIGTERM, then SIGKILL what is left af
   # shellcheck disable=SC2086
   kill -KILL $left 2>/dev/null || true
 }
-wait_for() {  # wait_for SECONDS WHAT COMMAND...: retry COMMAND until it succeeds
-  local secs=$1 what=$2 deadline=$((SECONDS + $1)); shift 2
+until_ok() {  # until_ok SECONDS COMMAND...: retry COMMAND until it succeeds; 1 if it never did
+  local deadline=$((SECONDS + $1)); shift
   while [ "$SECONDS" -lt "$deadline" ]; do
     if declare -F "$1" >/dev/null; then
       "$@" >/dev/null 2>&1 && return 0  # a function here: the commands in it have timeouts
@@ -88,7 +88,11 @@ wait_for() {  # wait_for SECONDS WHAT COMMAND...: retry COMMAND until it succeed
     fi
     sleep 0.2
   done
-  die "$what did not come up within $secs s (logs: $LOG)"
+  return 1
+}
+wait_for() {  # wait_for SECONDS WHAT COMMAND...: until_ok, or stop saying WHAT did not come up
+  local secs=$1 what=$2; shift 2
+  until_ok "$secs" "$@" || die "$what did not come up within $secs s (logs: $LOG)"
 }
 
 # --- install ---------------------------------------------------------------------------------
@@ -341,7 +345,16 @@ start_slurmd() {
 }
 
 ray_session() { cat "$PIDS/ray.sid" 2>/dev/null || true; }
-ray_ok() { "${RAY_LOCAL[@]}" "$VENV/bin/ray" status --address "127.0.0.1:$P_RAY"; }
+# up once the autoscaler has reported the head node: on a slow or busy machine its monitor takes
+# a minute or more to start after `ray start` returns
+ray_ok() { timeout 60 "${RAY_LOCAL[@]}" "$VENV/bin/ray" status --address "127.0.0.1:$P_RAY"; }
+ray_logs() {  # the last lines of the head's own logs, for a start that failed
+  local f
+  for f in "$LOG/ray-start.log" "$CD"/ray/session_latest/logs/{gcs_server,raylet,monitor}.{err,out}; do
+    [ -s "$f" ] && { echo "--- $f"; tail -n 5 "$f"; }
+  done
+  "${RAY_LOCAL[@]}" timeout 60 "$VENV/bin/ray" status --address "127.0.0.1:$P_RAY" 2>&1 | tail -n 5
+}
 start_ray() {
   # its own session: `down` stops that session's processes, never another Ray on this machine
   # (`ray stop` would stop every Ray of this user)
@@ -355,7 +368,8 @@ start_ray() {
   [ -n "$gcs" ] || die "ray start returned but no gcs_server of ours runs (see $LOG/ray-start.log)"
   echo "$gcs" >"$PIDS/ray.pid"
   ps -o sid= -p "$gcs" | tr -d ' ' >"$PIDS/ray.sid"
-  wait_for 60 "ray head" ray_ok
+  until_ok 300 ray_ok || die "ray head did not answer \`ray status\` within 300 s:
+$(ray_logs)"
 }
 
 write_env() {
