@@ -125,6 +125,39 @@ def test_where_the_seeds_do_not_pair_the_interval_is_welchs_and_says_so():
     assert rows["bf16"].verdict.startswith("eval loss +0.00% vs fp32, its interval reaching past")
 
 
+@pytest.mark.parametrize("ours_sd, base_sd, n_ours, n_base", [(0.01, 0.01, 3, 3), (0.02, 0.005, 3, 5)])
+def test_the_welch_interval_covers_the_ratio_of_geometric_means(ours_sd, base_sd, n_ours, n_base):
+    """Seeds that do not pair (bf16 ran seeds fp32 did not): lognormal losses a side, bf16's
+    geometric mean 3% above fp32's, equal or unequal spreads and counts. The Welch interval
+    holds +3% in at least LEAST_COVERAGE of the sweeps (simulated: 0.96 and 0.95)."""
+    rng = np.random.default_rng(13)
+    covered = 0
+    for _ in range(SIMULATIONS):
+        fp32 = 2.0 * np.exp(base_sd * rng.standard_normal(n_base))
+        bf16 = 2.0 * 1.03 * np.exp(ours_sd * rng.standard_normal(n_ours))
+        jobs = [make_job("fp32", i, v) for i, v in enumerate(fp32)]
+        f = judged(jobs + [make_job("bf16", 10 + i, v) for i, v in enumerate(bf16)])["bf16"].figures
+        assert f["loss_gap_test"] == "welch"
+        covered += covers(f, "loss_gap", 0.03)
+    assert covered / SIMULATIONS >= LEAST_COVERAGE
+
+
+def test_the_mean_steps_to_target_interval_covers_the_mean_over_seeds():
+    """Each seed of bf16 crosses the target at a step drawn normal around 60 (sd 6): the
+    interval of the mean over 3 seeds holds 60 in at least LEAST_COVERAGE of the sweeps; the
+    crossing's own error (under 0.5% on these curves) is far inside the seeds' spread."""
+    rng = np.random.default_rng(17)
+    covered = 0
+    for _ in range(SIMULATIONS):
+        jobs = []
+        for seed in range(3):
+            jobs.append(make_job("fp32", seed, 1.05, exp_curve(50.0)))
+            jobs.append(make_job("bf16", seed, 1.05, exp_curve(60 + 6 * rng.standard_normal())))
+        f = judged(jobs, target=TARGET)["bf16"].figures
+        covered += covers(f, "steps_to_target", 60.0)
+    assert covered / SIMULATIONS >= LEAST_COVERAGE
+
+
 def crossing_sweep(rng, ratio: float, n: int, sd: float, speed=100.0):
     """fp32's seeds cross TARGET at steps around 50, bf16's at `ratio` times its own seed's,
     with a lognormal error of `sd` per seed."""
