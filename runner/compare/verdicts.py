@@ -23,7 +23,8 @@ interquartile ranges added; inside that, a mode is never recommended, and a spee
 was not measured (under two steady logging intervals) is untested, never "faster". The speed
 comes from each job's own steady window (speed_source "jobs"), or, with runner.speed=interleaved,
 from the rows timed again side by side in one process (runner/compare/interleave.py; "interleaved":
-medians and IQR over rounds, the speedup the median of per-round ratios to the baseline).
+medians and IQR over rounds, the speedup the per-round ratios to the baseline averaged as
+runner/compare/stats.py's round_ratio averages them, each order of the rounds weighted alike).
 
 A speed timed while another process held the run's cores (`speed_contended`, in a job's
 summary.json or in the interleaved rounds: runner/measure/contention.py) is untested, its row
