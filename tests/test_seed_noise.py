@@ -15,7 +15,7 @@ import pytest
 
 from runner.compare import seeds
 from runner.compare.interleave import alternate
-from runner.compare.stats import clean_bound, seeds_to_rule_out, t_quantile, t_tail
+from runner.compare.stats import clean_bound, mean_ci, seeds_to_rule_out, t_quantile, t_tail, welch
 from runner.compare.target_words import _ci_of
 from runner.config import RunnerConfig
 from tests.test_verdict_statistics import TARGET, covers, exp_curve, judged, make_job
@@ -329,3 +329,39 @@ def test_the_t_quantile_matches_the_closed_forms_of_1_2_and_3_degrees_of_freedom
     x = t_quantile(p, 3) / math.sqrt(3)  # the CDF of 3 degrees of freedom in closed form
     assert 0.5 + (x / (1 + x * x) + math.atan(x)) / math.pi == pytest.approx(p, abs=1e-12)
     assert t_quantile(p, math.inf) == pytest.approx(NormalDist().inv_cdf(p), rel=1e-12)
+
+
+def test_the_welch_interval_is_welchs_t_on_the_log_losses():
+    """Exact figures, from Welch's formulas written out here: the gap is the ratio of the
+    geometric means less 1, the interval ±t·se on the log scale around it (so its ends are
+    symmetric there), with the Welch–Satterthwaite degrees of freedom. Coverage alone cannot
+    tell an interval too wide."""
+    ours, theirs = [2.1, 2.3, 2.0], [1.9, 2.0, 2.05, 1.95, 2.1]
+    a, b = [math.log(v) for v in ours], [math.log(v) for v in theirs]
+    va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 5
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 4)
+    center = np.mean(a) - np.mean(b)
+    half = t_quantile(0.975, df) * math.sqrt(va + vb)
+    gap, low, high = welch(ours, theirs)
+    assert gap == pytest.approx(math.exp(center) - 1, rel=1e-12)
+    assert low == pytest.approx(math.exp(center - half) - 1, rel=1e-9)
+    assert high == pytest.approx(math.exp(center + half) - 1, rel=1e-9)
+
+
+def test_the_mean_over_seeds_interval_is_students_t():
+    """1, 2, 3: the mean 2, ± t(97.5%, 2 df) · 1/√3; two seeds already give an interval, one
+    gives none."""
+    mean, low, high = mean_ci([1.0, 2.0, 3.0])
+    half = t_quantile(0.975, 2) / math.sqrt(3)
+    assert (mean, low, high) == pytest.approx((2.0, 2.0 - half, 2.0 + half), rel=1e-12)
+    _, low, high = mean_ci([1.0, 3.0])
+    assert (low, high) == pytest.approx((2.0 - t_quantile(0.975, 1), 2.0 + t_quantile(0.975, 1)))
+    assert math.isnan(mean_ci([1.0])[1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 29, 59, 100])
+def test_the_seeds_that_rule_out_a_rate_are_the_inverse_of_what_clean_seeds_cannot_exclude(n):
+    """n clean seeds cannot exclude clean_bound(n); exactly n rule it out, not n + 1 (the
+    rounding of a quotient that should be the integer n)."""
+    assert seeds_to_rule_out(clean_bound(n)) == n
+    assert seeds_to_rule_out(clean_bound(n) * 0.999) == n + 1
