@@ -15,7 +15,15 @@ import pytest
 
 from runner.compare import seeds
 from runner.compare.interleave import alternate
-from runner.compare.stats import clean_bound, mean_ci, seeds_to_rule_out, t_quantile, t_tail, welch
+from runner.compare.stats import (
+    clean_bound,
+    mean_ci,
+    seeds_to_rule_out,
+    spread,
+    t_quantile,
+    t_tail,
+    welch,
+)
 from runner.compare.target_words import _ci_of
 from runner.config import RunnerConfig
 from tests.test_verdict_statistics import TARGET, covers, exp_curve, judged, make_job
@@ -365,3 +373,19 @@ def test_the_seeds_that_rule_out_a_rate_are_the_inverse_of_what_clean_seeds_cann
     rounding of a quotient that should be the integer n)."""
     assert seeds_to_rule_out(clean_bound(n)) == n
     assert seeds_to_rule_out(clean_bound(n) * 0.999) == n + 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_the_variance_of_alternating_rounds_weights_each_order_alike(n):
+    """The variance of round_ratio's mean of logs: σ²(1/n₀ + 1/n₁)/4 with n₀ and n₁ rounds of
+    each order (σ²/n for an even count, 0.375σ² at 3 rounds), against plain σ²/n; n − 1
+    degrees of freedom either way."""
+    logs = [0.1, -0.2, 0.05, 0.3, -0.1, 0.0][:n]
+    var = np.var(logs, ddof=1)
+    first, second = (n + 1) // 2, n // 2
+    assert spread(logs) == pytest.approx((var / n, n - 1), rel=1e-12)
+    assert spread(logs, alternating=True) == pytest.approx(
+        (var * (1 / first + 1 / second) / 4, n - 1), rel=1e-12
+    )
+    if n == 3:
+        assert spread(logs, alternating=True)[0] == pytest.approx(0.375 * var, rel=1e-12)
