@@ -125,7 +125,9 @@ def test_where_the_seeds_do_not_pair_the_interval_is_welchs_and_says_so():
     assert rows["bf16"].verdict.startswith("eval loss +0.00% vs fp32, its interval reaching past")
 
 
-@pytest.mark.parametrize("ours_sd, base_sd, n_ours, n_base", [(0.01, 0.01, 3, 3), (0.02, 0.005, 3, 5)])
+@pytest.mark.parametrize(
+    "ours_sd, base_sd, n_ours, n_base", [(0.01, 0.01, 3, 3), (0.02, 0.005, 3, 5)]
+)
 def test_the_welch_interval_covers_the_ratio_of_geometric_means(ours_sd, base_sd, n_ours, n_base):
     """Seeds that do not pair (bf16 ran seeds fp32 did not): lognormal losses a side, bf16's
     geometric mean 3% above fp32's, equal or unequal spreads and counts. The Welch interval
