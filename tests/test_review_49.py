@@ -10,6 +10,7 @@ from runner.compare import compare
 from runner.compare.report import table
 from tests.test_compare import fake_job
 from tests.test_wall_time import PHASES as WALL_PHASES
+from tests.test_wall_time import until_summary
 
 SHARED = {
     "speed_contended": True,
@@ -122,11 +123,15 @@ def test_each_interleaved_round_is_timed_and_judged_on_its_own_steps():
     assert [s["contention"]["windows"] for s in rounds] == [1, 1, 1]
 
 
-def _adds_up(wall: dict, took: float) -> None:
-    """The breakdown's phases add up to its total, within 2% of a clock around the run."""
+def _adds_up(wall: dict, started: float, folder) -> None:
+    """The breakdown's phases add up to its total, within 2% of a clock from the call of `run`
+    (`started`, time.time()) to the summary's writing (summary.json's modification time): what
+    comes after the summary's last figure (its fsync, the printed table) is not in it, and on a
+    loaded machine took 2% of a 1.7 s run."""
     assert set(WALL_PHASES) <= wall.keys() and all(wall[k] >= 0 for k in WALL_PHASES), wall
     added = sum(wall[k] for k in WALL_PHASES)
     assert abs(added - wall["total_s"]) < 1e-6
+    took = until_summary(started, folder)
     assert abs(added - took) <= 0.02 * took, (added, took)
 
 
@@ -153,19 +158,18 @@ def test_a_preempted_run_and_its_resume_each_say_where_their_wall_time_went(tmp_
     ]
     signal_in_step(monkeypatch, 25, "SIGTERM")
     cfg = make_cfg(*overrides)
-    start = time.perf_counter()
+    start = time.time()
     with pytest.raises(Preempted):
         run(cfg, tmp_path / "run")
-    took = time.perf_counter() - start
     monkeypatch.undo()
     stopped = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert stopped["status"] == "preempted"
-    _adds_up(stopped["wall_time"], took)
+    _adds_up(stopped["wall_time"], start, tmp_path / "run")
     assert stopped["wall_time"]["evaluation_s"] > 0 and stopped["wall_time"]["checkpoints_s"] > 0
     cfg = make_cfg(*overrides, "trainer.resume=auto")
-    start = time.perf_counter()
+    start = time.time()
     resumed = run(cfg, tmp_path / "run")
-    _adds_up(resumed["wall_time"], time.perf_counter() - start)
+    _adds_up(resumed["wall_time"], start, tmp_path / "run")
 
 
 def test_more_cpu_threads_than_cores_is_said_in_one_line(capsys):
