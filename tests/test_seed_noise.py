@@ -18,6 +18,7 @@ from runner.compare.interleave import alternate
 from runner.compare.stats import (
     clean_bound,
     mean_ci,
+    ratio_ci,
     seeds_to_rule_out,
     spread,
     t_quantile,
@@ -389,3 +390,9 @@ def test_the_variance_of_alternating_rounds_weights_each_order_alike(n):
     )
     if n == 3:
         assert spread(logs, alternating=True)[0] == pytest.approx(0.375 * var, rel=1e-12)
+
+
+def test_a_ratio_of_zero_or_less_is_left_out_of_the_interval_not_a_traceback():
+    """A per-seed ratio ≤ 0 has no logarithm: it is left out, and the others make the figure."""
+    assert ratio_ci([0.0, 1.1, 1.1]) == pytest.approx((1.1, 1.1, 1.1))
+    assert ratio_ci([-1.0, 1.1, 1.1]) == pytest.approx((1.1, 1.1, 1.1))
