@@ -396,3 +396,4 @@ def test_a_ratio_of_zero_or_less_is_left_out_of_the_interval_not_a_traceback():
     """A per-seed ratio ≤ 0 has no logarithm: it is left out, and the others make the figure."""
     assert ratio_ci([0.0, 1.1, 1.1]) == pytest.approx((1.1, 1.1, 1.1))
     assert ratio_ci([-1.0, 1.1, 1.1]) == pytest.approx((1.1, 1.1, 1.1))
+    assert all(math.isnan(v) for v in ratio_ci([1.1, 1.2], times=0.0))  # an unmeasured factor
