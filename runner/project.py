@@ -32,11 +32,14 @@ def _compose(overrides: list[str]) -> DictConfig:
 
 def project_overrides(overrides: list[str]) -> dict:
     """The projection of one point: each precision composed with `overrides` and audited."""
+    from runner.config.preflight import preflight
     from runner.measure import projection
     from runner.measure.gpus import gpu_names
 
+    preflight(list(overrides))  # a misspelt key or a bad value: one line, as in python -m runner
     base = _compose(overrides)
     precisions = list(base.runner.project_precisions) or list(DEFAULT_PRECISIONS)
+    preflight([*overrides, f"precision={','.join(precisions)}", "logger=none"])
     gpus = gpu_names(base.runner.project or list(DEFAULT_GPUS))
     runs = {}
     for name in precisions:

@@ -4,7 +4,6 @@ the manifest holds each converted Linear's directions to its rule; bad input is 
 before training."""
 
 import functools
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -290,13 +289,26 @@ def _docs_section() -> str:
     return section[: section.index("\n## ", 1)]
 
 
+def docs_recipe_files() -> list[str]:
+    """Every recipe file the docs show: each YAML block of README.md and docs/*.md whose first
+    line is `rules:`, wherever it is (what tests/docs/table.py's YAML_BLOCKS says this runs)."""
+    from tests.docs import blocks as docs
+
+    return [
+        b.code
+        for b in docs.blocks()
+        if b.syntax in ("yaml", "yml") and b.code.splitlines()[0].strip() == "rules:"
+    ]
+
+
 def test_every_recipe_file_in_the_docs_loads_and_runs_as_they_say(tmp_path):
-    """Each YAML block of docs/precision-modes.md's Recipes section, on the model they name (a
-    4-block TinyGPT, nvfp4): it loads, runs with the plan held, every converted Linear's
-    directions are what the manifest saw; the `default:` example prints the recipe in force the
-    docs show, its island computes in fp32 and its default decides what no rule does."""
+    """Each recipe file of the docs (the Recipes section of docs/precision-modes.md's, on the
+    model they name: a 4-block TinyGPT, nvfp4): it loads, runs with the plan held, every
+    converted Linear's directions are what the manifest saw; the `default:` example prints the
+    recipe in force the docs show, its island computes in fp32 and its default decides what no
+    rule does."""
     section = _docs_section()
-    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    blocks = docs_recipe_files()
     assert any("default:" in b for b in blocks)
     for i, text in enumerate(blocks):
         file = _write(tmp_path, text, f"docs-{i}.yaml")

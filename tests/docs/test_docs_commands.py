@@ -7,17 +7,19 @@ pytest.mark.gpu blocks); the rest here, `slow` ones in make test-slow."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.docs.blocks import LOOKS_LIKE_A_COMMAND, ROOT, SHELL, blocks, shell_blocks
-from tests.docs.run import marks, run_block
-from tests.docs.table import COMMANDS, YAML_BLOCKS
+from tests.docs.run import ASSIGNMENT, environment, marks, run_block, script
+from tests.docs.table import COMMANDS, YAML_BLOCKS, Entry
 
 LOCAL = [b for b in shell_blocks() if "pytest.mark.cluster" not in b.marks]
 
@@ -60,31 +62,82 @@ def test_every_yaml_block_is_run_by_a_test():
         assert f"def {name}(" in (ROOT / path).read_text(), YAML_BLOCKS[first]
 
 
+# The runner's entry points whose arguments are the runner's config (`python -m runner.compare`
+# and `.export` take folders): what follows the entry point is composed and validated
+RUNNER = re.compile(
+    r"^(?:[A-Za-z_]+=\S+ )*(?:python -m runner(?:\.(?:recipe|islands|project))?"
+    r"|torchrun (?:--\S+ )*-m runner) (?P<args>.*)$"
+)
+
+
 def _runner_commands():
+    """Every docs command that starts the runner (`python -m runner`, `.recipe`, `.islands`,
+    `.project`, `torchrun ... -m runner`), outside GPU blocks, with its block's assignments."""
     for b in LOCAL:
         if "pytest.mark.gpu" in b.marks:
             continue
+        assigned = [c.text for c in b.commands() if ASSIGNMENT.match(c.text)]
         for c in b.commands():
             e = COMMANDS.get(c.text)
-            if (
-                e
-                and not (e.dry or e.setup or e.env or e.replace)
-                and c.text.startswith("python -m runner ")
-            ):
-                yield pytest.param(c.text, e.size, id=f"{b.id}:{c.text[:60]}")
+            if e and not e.dry and RUNNER.match(c.text):
+                yield pytest.param(c.text, e, assigned, id=f"{b.id}:{c.text[:60]}")
 
 
-@pytest.mark.parametrize("command, size", list(_runner_commands()))
-def test_docs_runner_commands_compose(command, size, tmp_path, monkeypatch):
-    """Quick, in make test: each plain `python -m runner` command of the docs, with its sizes,
-    passes the runner's own checks (every key and option exists, every job composes and
-    validates), in process; a renamed key fails here before the slow run would."""
+def _args(command: str, entry, assigned: list[str], folder) -> tuple[dict, list[str]]:
+    """The command's variables (`NAME=value python ...`) and config arguments as the shell hands
+    them over: the table's replacements and sizes, the block's `NAME="..."` expanded, `-m`
+    dropped (preflight expands sweeps)."""
+    text = script(Entry(entry.size, replace=entry.replace), command, folder)
+    for line in assigned:
+        name, _, value = line.partition("=")
+        text = text.replace(f"${name}", shlex.split(value)[0])
+    head, args = text[: RUNNER.match(text).start("args")], RUNNER.match(text)["args"]
+    env = dict(w.split("=", 1) for w in shlex.split(head) if ASSIGNMENT.match(w))
+    return env, [a for a in shlex.split(args) if a not in ("-m", "--multirun")]
+
+
+@pytest.mark.parametrize("command, entry, assigned", list(_runner_commands()))
+def test_docs_runner_commands_compose(command, entry, assigned, tmp_path, monkeypatch):
+    """Quick, in make test: each docs command that starts the runner, with its sizes (and what
+    the table's `setup` and `env` give it), passes the runner's own checks (every key and option
+    exists, every job composes and validates), in process; a renamed key fails here before the
+    slow run would."""
     from runner.config.commandline import normalized
     from runner.config.preflight import preflight
 
     monkeypatch.chdir(tmp_path)
-    args = shlex.split(f"{command} {size}")[3:]  # after `python -m runner`
+    env = environment(entry, tmp_path)
+    if entry.setup:
+        subprocess.run(
+            ["bash", "-c", script(Entry(setup=entry.setup), "true", tmp_path)],
+            cwd=tmp_path,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    variables, args = _args(command, entry, assigned, tmp_path)
+    for key in entry.env:
+        if key in env:
+            variables[key] = env[key]
+    for key, value in variables.items():
+        if key == "PYTHONPATH":
+            for path in reversed(value.split(os.pathsep)):
+                monkeypatch.syspath_prepend(path)
+                _forget_packages_in(path, monkeypatch)  # another test's `mypkg` is not this one
+        else:
+            monkeypatch.setenv(key, value)
     preflight(normalized(args))
+
+
+def _forget_packages_in(path: str, monkeypatch) -> None:
+    """Modules imported from the folder's packages, dropped from sys.modules for this test only
+    (the commands' `mypkg` is a different package in each)."""
+    if Path(path).resolve() == ROOT:
+        return  # the runner and the tests themselves: this process's own
+    names = {p.name for p in Path(path).iterdir() if (p / "__init__.py").is_file()}
+    for module in [m for m in sys.modules if m.split(".")[0] in names]:
+        monkeypatch.delitem(sys.modules, module)
 
 
 def _local_blocks():
