@@ -358,3 +358,17 @@ def test_seeds_auto_decides_a_clear_case_early_and_says_why():
     row, n = auto_sweep(np.random.default_rng(4), 0.0, settings, pair_sd=0.002)
     assert n == 3 and row.figures["seeds_stopped"] == "decided"
     assert "99.38% CI" in row.verdict and "paired over 3 seeds" in row.verdict
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.5])
+def test_a_loss_of_zero_or_less_has_no_ratio_and_leaves_the_row_untested(zero):
+    """docs/comparison.md: "A loss ≤ 0 has no ratio: the row is then untested, and says so" —
+    a bf16 seed whose eval loss is exactly 0 (or below: a loss that can go negative), paired or
+    not: no interval, no traceback, never recommended."""
+    for offset in (0, 10):  # paired seeds, then seeds that do not pair
+        jobs = [make_job("fp32", i, v) for i, v in enumerate([2.0, 2.1, 1.9])]
+        jobs += [make_job("bf16", offset + i, v) for i, v in enumerate([zero, 2.1, 1.9])]
+        bf16 = judged(jobs)["bf16"]
+        assert bf16.figures["loss_gap_test"] == "no ratio: a loss ≤ 0"
+        assert not bf16.verdict.endswith("— recommended"), bf16.verdict
+        assert "untested" in bf16.verdict, bf16.verdict
