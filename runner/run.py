@@ -17,6 +17,7 @@ from runner.config.validation import validate
 from runner.errors import Preempted, UserError, first_line
 from runner.measure import autopilot_report, manifest, truth
 from runner.measure.flops import emulation_slowdown, utilisation
+from runner.measure.gpus import gpu_names
 from runner.measure.health import fp4_health, fp16_health
 from runner.measure.manifest_table import report as report_manifest
 from runner.measure.memory import reset_peak_memory, trainer_memory
@@ -58,6 +59,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> dict:
 
 
 def _run(cfg: DictConfig, out: Path, ranks, clock: WallClock) -> dict:
+    gpu_names(cfg.runner.project)  # an unknown GPU: one line before the run trains, not after
     resume = _resume_point(cfg, out)
     state = resume[1] if resume else None
     # a requeued job whose run had finished: its summary stands, and it ends at once

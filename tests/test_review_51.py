@@ -86,20 +86,22 @@ def test_a_recipe_file_outside_the_recipes_section_is_run(monkeypatch):
 # --- a training run's runner.project is checked before it trains ------------------------------
 
 
-@pytest.mark.parametrize(
-    "override, says",
-    [("runner.project=[H1000]", "no GPU 'H1000'"), ("runner.project_precisions=[fp9]", "fp9")],
-)
-def test_a_training_runs_projection_is_checked_before_it_trains(
-    override, says, tmp_path, monkeypatch
-):
+def test_a_training_runs_projection_is_checked_before_it_trains(tmp_path, monkeypatch):
     """docs/projection.md's `python -m runner precision=bf16 model=bert runner.project=[H100]`
-    with the GPU misspelt (or a precision that does not exist) is refused by the checks before
-    the first step, as `python -m runner.project` refuses it; it trained the whole run first
-    (minutes at the docs' size) and only then failed."""
+    with the GPU misspelt (or a precision that does not exist) is refused before the first
+    step, as `python -m runner.project` refuses it; it trained the whole run first (minutes at
+    the docs' size) and only then failed. The precision by the checks of every command line,
+    the GPU by the run before anything is written (its names are the projection's)."""
     from runner.config.preflight import preflight
     from runner.errors import UserError
+    from runner.run import run
+    from tests.helpers import TINY_MLP, make_cfg
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserError, match=re.escape(says)):
-        preflight(["precision=bf16", "model=bert", "runner.project=[H100]", override])
+    with pytest.raises(UserError, match=re.escape("fp9")):
+        preflight(["precision=bf16", "model=bert", "runner.project_precisions=[fp9]"])
+    cfg = make_cfg(*TINY_MLP, "runner.project=[H1000]", f"cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(UserError, match=re.escape("no GPU 'H1000'")):
+        run(cfg, tmp_path / "run")
+    left = {p.name for p in (tmp_path / "run").iterdir()}
+    assert not left & {"metrics.jsonl", "run.json", "checkpoints", "summary.json"}, left

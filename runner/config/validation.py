@@ -183,9 +183,7 @@ def _validate_runner(cfg: DictConfig) -> None:
         "GB (a number > 0), a GPU's name (" + ", ".join(GPU_MEMORY_GB) + "), or null",
     )
     from runner import CONF_DIR
-    from runner.measure.gpus import gpu_names
 
-    gpu_names(r.project)  # an unknown GPU: one line before the run trains, not after it
     modes = sorted(f.stem for f in (CONF_DIR / "precision").glob("*.yaml"))
     bad = [name for name in r.project_precisions if name not in modes]
     require(not bad, "runner.project_precisions", list(r.project_precisions), ", ".join(modes))
