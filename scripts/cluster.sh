@@ -26,7 +26,10 @@ PARTITION=debug
 export PATH=$PATH:/usr/sbin:/sbin
 # Ray maps 127.0.0.1 to this machine's outward address unless told the cluster is this machine
 # alone; servers and clients both need it (it is in CLUSTER_DIR/env).
-RAY_LOCAL=(env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)
+# and without token authentication: Ray 2.5x turns it on for a head started where a token file
+# (~/.ray/auth_token) exists, which any local ray.init() writes, and a client whose mode is unset
+# is then refused ("InvalidAuthToken"); this cluster listens on 127.0.0.1 only
+RAY_LOCAL=(env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled)
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 line() { printf '%-10s %s\n' "$1" "$2"; }
@@ -381,6 +384,7 @@ write_env() {
     printf "CLUSTER_PARTITION='%s'\n" "$PARTITION"
     printf "RAY_ADDRESS='%s'\n" "127.0.0.1:$P_RAY"
     printf "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='0'\n"
+    printf "RAY_AUTH_MODE='disabled'\n"
   } >"$CD/env.tmp"
   mv "$CD/env.tmp" "$CD/env"
 }
