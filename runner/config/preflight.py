@@ -6,15 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from runner.config.commandline import expand, informational, one_line
+from runner.config.rules import choices
 from runner.errors import UserError, first_line
 
 
 def _check_group_choices(jobs: list[list[str]]) -> None:
     from runner import CONF_DIR
 
-    groups = {
-        d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir()
-    }
+    groups = {d.name: choices(d.name) for d in CONF_DIR.iterdir() if d.is_dir()}
     for job in jobs:
         for override in job:
             key, _, value = override.lstrip("+~").partition("=")

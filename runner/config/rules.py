@@ -21,3 +21,10 @@ def number(value: Any) -> bool:
 
 def integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def choices(group: str) -> list[str]:
+    """The options of one of conf/'s config groups (precision: fp32, bf16, ...)."""
+    from runner import CONF_DIR
+
+    return sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))

@@ -15,7 +15,7 @@ from runner.config.precision_rules import (
     _validate_modules,
     _validate_precision,
 )
-from runner.config.rules import integer, number, require
+from runner.config.rules import choices, integer, number, require
 from runner.config.schema import AUTO_SEEDS, EVAL_PRECISIONS, GPU_MEMORY_GB, Config, StageConfig
 from runner.config.tasks import validate_task
 
@@ -182,9 +182,7 @@ def _validate_runner(cfg: DictConfig) -> None:
         budget,
         "GB (a number > 0), a GPU's name (" + ", ".join(GPU_MEMORY_GB) + "), or null",
     )
-    from runner import CONF_DIR
-
-    modes = sorted(f.stem for f in (CONF_DIR / "precision").glob("*.yaml"))
+    modes = choices("precision")
     bad = [name for name in r.project_precisions if name not in modes]
     require(not bad, "runner.project_precisions", list(r.project_precisions), ", ".join(modes))
     require(
